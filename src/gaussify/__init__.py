@@ -1,0 +1,1 @@
+"""gaussify: Gaussian approximate inference for deep learning."""

@@ -1,0 +1,286 @@
+"""Likelihoods p(y | f) over network outputs f (N, C).
+
+Every likelihood exposes the quantities the Gauss-Newton family needs (Immer thesis, Sec. 2.3):
+
+* ``log_prob(f, y) -> (N,)``: log p(y_n | f_n), summed over the C outputs of one sample.
+* ``residual(f, y) -> (N, C)``: r = d log p / d f (the "residual" of the GLM view, thesis eq. 3.3).
+* ``hessian(f) -> (N, C, C)``: Lambda = -d^2 log p / d f^2, the GGN's middle factor
+  (J^T Lambda J, thesis eq. 2.24). It does not depend on y for these exponential-family
+  likelihoods in their natural parameterisation.
+* ``hessian_diag(f) -> (N, C)``: the diagonal of Lambda, cheap.
+* ``hessian_sqrt(f) -> (N, C, C)``: a factor L with Lambda = L L^T, so that a GGN is
+  (J^T L)(J^T L)^T without forming Lambda (used by Kronecker and low-rank curvature).
+* ``inverse_link(f)``: E[y | f] (identity, softmax or sigmoid).
+* ``sample(f, generator=None)``: y ~ p(y | f).
+
+Users may plug in their own object with the same methods (see :class:`Likelihood`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Bernoulli",
+    "Categorical",
+    "Gaussian",
+    "Likelihood",
+    "LikelihoodName",
+    "get_likelihood",
+]
+
+LikelihoodName = Literal[
+    "regression", "gaussian", "classification", "categorical", "binary", "bernoulli"
+]
+
+
+@runtime_checkable
+class Likelihood(Protocol):
+    """What the rest of the library needs from a likelihood over outputs f (N, C)."""
+
+    task: str
+
+    def log_prob(self, f: Tensor, y: Tensor) -> Tensor: ...
+
+    def residual(self, f: Tensor, y: Tensor) -> Tensor: ...
+
+    def hessian(self, f: Tensor) -> Tensor: ...
+
+    def hessian_diag(self, f: Tensor) -> Tensor: ...
+
+    def hessian_sqrt(self, f: Tensor) -> Tensor: ...
+
+    def inverse_link(self, f: Tensor) -> Tensor: ...
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor: ...
+
+
+def _check_f(f: Tensor) -> Tensor:
+    """Validate network outputs: a finite floating tensor of shape (N, C)."""
+    if not isinstance(f, Tensor):
+        raise TypeError(f"f: expected a torch.Tensor of shape (N, C), got {type(f).__name__}")
+    if f.ndim != 2:
+        raise ValueError(f"f: expected shape (N, C), got {tuple(f.shape)}")
+    if not f.is_floating_point():
+        raise ValueError(f"f: expected a floating-point tensor, got dtype {f.dtype}")
+    if not torch.isfinite(f).all():
+        raise ValueError("f: network outputs contain NaN or inf")
+    return f
+
+
+def _check_batch(f: Tensor, y: Tensor) -> None:
+    if not isinstance(y, Tensor):
+        raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+    if y.shape[0] != f.shape[0]:
+        raise ValueError(f"y: batch size {y.shape[0]} does not match f's batch size {f.shape[0]}")
+
+
+def _as_output_matrix(f: Tensor, y: Tensor, what: str) -> Tensor:
+    """Targets with one value per output: (N, C); (N,) is accepted when C == 1."""
+    _check_batch(f, y)
+    if y.ndim == 1 and f.shape[1] == 1:
+        y = y.unsqueeze(-1)
+    if y.shape != f.shape:
+        raise ValueError(
+            f"y: {what} targets must have shape {tuple(f.shape)} (same as f), got {tuple(y.shape)}"
+        )
+    if y.is_floating_point() and torch.isnan(y).any():
+        raise ValueError("y: targets contain NaN")
+    return y.to(f.dtype)
+
+
+class Gaussian:
+    """Gaussian likelihood y = f + eps, eps ~ N(0, diag(sigma^2)).
+
+    ``sigma_noise`` is a scalar or a per-output tensor of shape (C,); it may be a tensor that
+    requires grad (marginal-likelihood tuning differentiates through it).
+    Lambda = diag(1 / sigma^2) (thesis eq. 2.25).
+    """
+
+    task = "regression"
+
+    def __init__(self, sigma_noise: float | Tensor = 1.0) -> None:
+        sigma = torch.as_tensor(sigma_noise)
+        if sigma.ndim > 1:
+            raise ValueError(
+                f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma.shape)}"
+            )
+        if not torch.isfinite(sigma).all() or (sigma <= 0).any():
+            raise ValueError(f"sigma_noise: must be finite and > 0, got {sigma}")
+        self.sigma_noise = sigma
+
+    def _sigma(self, f: Tensor) -> Tensor:
+        sigma = self.sigma_noise.to(dtype=f.dtype, device=f.device)
+        if sigma.ndim == 1 and sigma.shape[0] != f.shape[1]:
+            raise ValueError(
+                f"sigma_noise: has {sigma.shape[0]} entries but f has {f.shape[1]} outputs"
+            )
+        return sigma.expand(f.shape[1])
+
+    def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        """log N(y | f, sigma^2) summed over outputs, shape (N,)."""
+        f = _check_f(f)
+        y = _as_output_matrix(f, y, "regression")
+        sigma = self._sigma(f)
+        z = (y - f) / sigma
+        return (-0.5 * z.square() - sigma.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+    def residual(self, f: Tensor, y: Tensor) -> Tensor:
+        """(y - f) / sigma^2, shape (N, C)."""
+        f = _check_f(f)
+        y = _as_output_matrix(f, y, "regression")
+        return (y - f) / self._sigma(f).square()
+
+    def hessian_diag(self, f: Tensor) -> Tensor:
+        f = _check_f(f)
+        return (1.0 / self._sigma(f).square()).expand_as(f).clone()
+
+    def hessian(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.hessian_diag(f))
+
+    def hessian_sqrt(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.hessian_diag(f).sqrt())
+
+    def inverse_link(self, f: Tensor) -> Tensor:
+        return _check_f(f)
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        f = _check_f(f)
+        eps = torch.randn(f.shape, generator=generator, dtype=f.dtype, device=f.device)
+        return f + self._sigma(f) * eps
+
+
+class Categorical:
+    """Softmax likelihood p(y = k | f) = softmax(f)_k for integer labels y (N,) in [0, C).
+
+    Lambda = diag(p) - p p^T (thesis eq. 2.26), rank C-1, so it is singular; its factor
+    L = diag(sqrt p) - p sqrt(p)^T satisfies L L^T = Lambda because sum(p) = 1.
+    """
+
+    task = "classification"
+
+    def _labels(self, f: Tensor, y: Tensor) -> Tensor:
+        _check_batch(f, y)
+        if y.ndim != 1:
+            raise ValueError(f"y: expected class labels of shape (N,), got {tuple(y.shape)}")
+        if y.is_floating_point():
+            if torch.isnan(y).any():
+                raise ValueError("y: labels contain NaN")
+            if (y != y.round()).any():
+                raise ValueError("y: class labels must be integers")
+        y = y.long()
+        num_classes = f.shape[1]
+        if y.numel() and (y.min() < 0 or y.max() >= num_classes):
+            raise ValueError(
+                f"y: labels must be in [0, {num_classes}), got range "
+                f"[{int(y.min())}, {int(y.max())}]"
+            )
+        return y
+
+    def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        f = _check_f(f)
+        y = self._labels(f, y)
+        return torch.log_softmax(f, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+    def residual(self, f: Tensor, y: Tensor) -> Tensor:
+        """onehot(y) - softmax(f), shape (N, C)."""
+        f = _check_f(f)
+        y = self._labels(f, y)
+        onehot = torch.nn.functional.one_hot(y, f.shape[1]).to(f.dtype)
+        return onehot - torch.softmax(f, dim=-1)
+
+    def hessian(self, f: Tensor) -> Tensor:
+        p = torch.softmax(_check_f(f), dim=-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    def hessian_diag(self, f: Tensor) -> Tensor:
+        p = torch.softmax(_check_f(f), dim=-1)
+        return p - p.square()
+
+    def hessian_sqrt(self, f: Tensor) -> Tensor:
+        p = torch.softmax(_check_f(f), dim=-1)
+        s = p.sqrt()
+        return torch.diag_embed(s) - p.unsqueeze(-1) * s.unsqueeze(-2)
+
+    def inverse_link(self, f: Tensor) -> Tensor:
+        return torch.softmax(_check_f(f), dim=-1)
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        p = self.inverse_link(f)
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+
+class Bernoulli:
+    """Independent sigmoid likelihoods per output (binary C = 1, or multi-label C > 1).
+
+    Targets y (N, C) in {0, 1} ((N,) accepted for C = 1). Lambda = diag(p (1 - p)).
+    """
+
+    task = "binary"
+
+    def _targets(self, f: Tensor, y: Tensor) -> Tensor:
+        y = _as_output_matrix(f, y, "binary")
+        if ((y != 0) & (y != 1)).any():
+            raise ValueError("y: binary targets must be 0 or 1")
+        return y
+
+    def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        f = _check_f(f)
+        y = self._targets(f, y)
+        # y f - log(1 + e^f), written with logsigmoid for stability at large |f|.
+        logp = y * torch.nn.functional.logsigmoid(f) + (1 - y) * torch.nn.functional.logsigmoid(-f)
+        return logp.sum(-1)
+
+    def residual(self, f: Tensor, y: Tensor) -> Tensor:
+        f = _check_f(f)
+        return self._targets(f, y) - torch.sigmoid(f)
+
+    def hessian_diag(self, f: Tensor) -> Tensor:
+        p = torch.sigmoid(_check_f(f))
+        return p * (1 - p)
+
+    def hessian(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.hessian_diag(f))
+
+    def hessian_sqrt(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.hessian_diag(f).sqrt())
+
+    def inverse_link(self, f: Tensor) -> Tensor:
+        return torch.sigmoid(_check_f(f))
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return torch.bernoulli(self.inverse_link(f), generator=generator)
+
+
+_REGISTRY: dict[str, type] = {
+    "regression": Gaussian,
+    "gaussian": Gaussian,
+    "classification": Categorical,
+    "categorical": Categorical,
+    "binary": Bernoulli,
+    "bernoulli": Bernoulli,
+}
+
+
+def get_likelihood(likelihood: str | Likelihood, sigma_noise: float | Tensor = 1.0) -> Likelihood:
+    """Resolve a likelihood name (laplace-torch's ``"regression"``/``"classification"`` work)
+    or pass a likelihood object through unchanged."""
+    if isinstance(likelihood, str):
+        key = likelihood.lower()
+        if key not in _REGISTRY:
+            raise ValueError(
+                f"likelihood: unknown name {likelihood!r}; choose one of {sorted(_REGISTRY)} "
+                "or pass an object with log_prob/residual/hessian/inverse_link/sample"
+            )
+        cls = _REGISTRY[key]
+        return cls(sigma_noise) if cls is Gaussian else cls()
+    if isinstance(likelihood, Likelihood):
+        return likelihood
+    raise TypeError(
+        f"likelihood: expected a name in {sorted(_REGISTRY)} or a Likelihood object, "
+        f"got {type(likelihood).__name__}"
+    )

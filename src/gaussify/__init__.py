@@ -3,19 +3,24 @@
 The public API is re-exported here; nothing else lives in this module.
 """
 
-from gaussify import data, likelihoods, metrics
+from gaussify import data, evidence, likelihoods, metrics
 from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood
+from gaussify.marglik import marglik_training
 from gaussify.predictive import Predictive
 from gaussify.training import train_map
+from gaussify.weight_space import Laplace
 
 __all__ = [
     "Bernoulli",
     "Categorical",
     "Gaussian",
+    "Laplace",
     "Predictive",
     "data",
+    "evidence",
     "get_likelihood",
     "likelihoods",
+    "marglik_training",
     "metrics",
     "train_map",
 ]

@@ -104,7 +104,12 @@ class Gaussian:
     task = "regression"
 
     def __init__(self, sigma_noise: float | Tensor = 1.0) -> None:
-        sigma = torch.as_tensor(sigma_noise)
+        # Python numbers are kept in float64 so a float64 model sees the exact value.
+        sigma = (
+            sigma_noise
+            if isinstance(sigma_noise, Tensor)
+            else torch.as_tensor(sigma_noise, dtype=torch.float64)
+        )
         if sigma.ndim > 1:
             raise ValueError(
                 f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma.shape)}"

@@ -120,7 +120,7 @@ def expand_prior(prior_precision: float | Tensor, subset: ParameterSubset) -> Te
     (``len(subset.names)``, "per layer" as in laplace-torch), or one value per parameter (P,).
     Gradients flow through (marginal-likelihood tuning differentiates this).
     """
-    prior = torch.as_tensor(prior_precision)
+    prior = _as_tensor64(prior_precision)
     if prior.ndim == 0 or prior.numel() == 1:
         return prior.reshape(()).expand(subset.num_params)
     if prior.ndim != 1:
@@ -140,7 +140,13 @@ def expand_prior(prior_precision: float | Tensor, subset: ParameterSubset) -> Te
 
 def check_prior(prior_precision: float | Tensor) -> Tensor:
     """Validate that a prior precision is finite and strictly positive; return it as a tensor."""
-    prior = torch.as_tensor(prior_precision)
+    prior = _as_tensor64(prior_precision)
     if not torch.isfinite(prior).all() or (prior <= 0).any():
         raise ValueError(f"prior_precision: must be finite and > 0, got {prior}")
     return prior
+
+
+def _as_tensor64(value: float | Tensor) -> Tensor:
+    """Tensors pass through; Python numbers become float64 so no precision is lost on the way
+    to a float64 model (a float32 model casts them down where they are used)."""
+    return value if isinstance(value, Tensor) else torch.as_tensor(value, dtype=torch.float64)

@@ -1,0 +1,420 @@
+"""The curvature protocol and what every Gauss-Newton structure shares.
+
+A :class:`Curvature` accumulates, batch by batch, a positive semi-definite matrix G over the
+parameters of a subset: the generalised Gauss-Newton sum_n J_n^T Lambda_n J_n (thesis eq. 2.24;
+the precision term of eq. 3.11) or the empirical Fisher sum_n g_n g_n^T with per-sample gradients
+g_n = J_n^T r_n (eq. 2.23). Its :meth:`Curvature.posterior` returns the Laplace-GGN posterior
+precision A = scale * G + diag(prior) (eq. 3.11 with Sigma_0^{-1} = diag(prior); ``scale`` is
+e.g. 1 / sigma^2 for a Gaussian likelihood fitted with unit noise, or a tempering factor) as a
+:class:`PosteriorPrecision`, which answers log det A, samples from N(0, A^{-1}), solves and
+output-space covariances J A^{-1} J^T. Both are differentiable with respect to the prior
+precision and the scale, which is what marginal-likelihood tuning needs (eq. 3.18).
+
+Every structure (full, diag, low-rank, Kronecker) implements the same two protocols; the
+shared batch loop for the Jacobian-based structures lives in :class:`GaussNewtonCurvature`.
+
+All three curvature flavours are one formula, sum_n J_n^T L_n L_n^T J_n, with a per-sample
+factor L_n (C x K) of the middle matrix:
+
+* GGN: L_n = Lambda_n^{1/2} (``likelihood.hessian_sqrt``), K = C;
+* empirical Fisher: L_n = r_n (the residual at the observed label), K = 1;
+* Monte Carlo GGN: L_n = [r_n(y~_1), ..., r_n(y~_S)] / sqrt(S) with y~_s ~ p(y | f_n), K = S,
+  unbiased because E[r r^T] = Lambda for these exponential-family likelihoods.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from typing import ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.curvature.jacobian import (
+    SubsetLike,
+    auto_chunk_size,
+    check_eval_mode,
+    chunk_slices,
+    per_sample_vjp,
+    resolve_subset,
+    squared_vjp_sum,
+)
+from gaussify.curvature.lastlayer import (
+    OutputLinear,
+    find_output_linear,
+    forward_with_features,
+    lastlayer_diag,
+    lastlayer_products,
+)
+from gaussify.curvature.subset import ParameterSubset, check_prior
+from gaussify.likelihoods import Likelihood, get_likelihood
+
+__all__ = [
+    "Curvature",
+    "GaussNewtonCurvature",
+    "PosteriorPrecision",
+    "Structure",
+    "as_hyperparameter",
+    "check_offset",
+    "cholesky_psd",
+    "draw_labels",
+    "middle_diag",
+    "middle_factor",
+]
+
+Structure = Literal["full", "diag", "lowrank", "kron"]
+
+
+@runtime_checkable
+class PosteriorPrecision(Protocol):
+    """A = scale * G + diag(prior) and its inverse Sigma = A^{-1} (thesis eq. 3.11)."""
+
+    num_params: int
+
+    def logdet(self) -> Tensor:
+        """log det A, differentiable with respect to the prior precision and the scale."""
+        ...
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """(n, P) draws from N(0, Sigma)."""
+        ...
+
+    def functional_cov(self, jac: Tensor) -> Tensor:
+        """jac (N, C, P) -> J Sigma J^T (N, C, C)."""
+        ...
+
+    def functional_var(self, jac: Tensor) -> Tensor:
+        """jac (N, C, P) -> diag(J Sigma J^T) (N, C)."""
+        ...
+
+    def solve(self, v: Tensor) -> Tensor:
+        """Sigma v for v (..., P)."""
+        ...
+
+    def precision_dense(self) -> Tensor:
+        """A as a dense (P, P) matrix."""
+        ...
+
+    def covariance_dense(self) -> Tensor:
+        """Sigma as a dense (P, P) matrix."""
+        ...
+
+    def covariance_diag(self) -> Tensor:
+        """diag(Sigma), shape (P,)."""
+        ...
+
+
+@runtime_checkable
+class Curvature(Protocol):
+    """A curvature structure accumulated over batches (GGN eq. 2.24 or empirical Fisher)."""
+
+    structure: ClassVar[str]
+    subset: ParameterSubset
+    num_data: int
+
+    def update(self, model: nn.Module, x: Tensor, y: Tensor) -> None:
+        """Add one batch: sum over the batch of J^T Lambda J (GGN) or g g^T (EF)."""
+        ...
+
+    def posterior(
+        self, prior_precision: Tensor | float, scale: Tensor | float = 1.0
+    ) -> PosteriorPrecision:
+        """scale * G + diag(expand_prior(prior_precision)) as a :class:`PosteriorPrecision`."""
+        ...
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None: ...
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def draw_labels(
+    likelihood: Likelihood, f: Tensor, num_samples: int, generator: torch.Generator | None
+) -> Tensor:
+    """Draws y~_s ~ p(y | f_n), shape (S, N, ...) (labels (S, N) for a softmax), from one
+    ``likelihood.sample`` call on the outputs repeated S times."""
+    n = f.shape[0]
+    repeated = f.unsqueeze(0).expand(num_samples, *f.shape).reshape(num_samples * n, -1)
+    draws = likelihood.sample(repeated, generator=generator)
+    return draws.reshape(num_samples, n, *draws.shape[1:])
+
+
+def middle_factor(
+    likelihood: Likelihood, f: Tensor, y: Tensor | None, *, ef: bool, draws: Tensor | None
+) -> Tensor:
+    """Per-sample factor L (N, C, K) of the middle matrix M_n = L_n L_n^T.
+
+    GGN: Lambda_n^{1/2} (thesis eq. 2.24); empirical Fisher (``ef``): the residual r_n at the
+    observed y (eq. 2.23), K = 1; Monte Carlo (``draws`` (S, N, ...)): residuals at sampled
+    labels scaled by 1/sqrt(S), an unbiased estimate of Lambda_n.
+    """
+    if ef:
+        if y is None:
+            raise ValueError("y: the empirical Fisher needs targets")
+        return likelihood.residual(f, y).unsqueeze(-1)
+    if draws is not None:
+        s, n = draws.shape[:2]
+        repeated = f.unsqueeze(0).expand(s, *f.shape).reshape(s * n, -1)
+        res = likelihood.residual(repeated, draws.reshape(s * n, *draws.shape[2:]))
+        return res.reshape(s, n, -1).permute(1, 2, 0) / math.sqrt(s)
+    return likelihood.hessian_sqrt(f)
+
+
+def middle_diag(
+    likelihood: Likelihood, f: Tensor, y: Tensor | None, *, ef: bool, draws: Tensor | None
+) -> Tensor:
+    """diag(M_n), shape (N, C), for the same three cases as :func:`middle_factor` (without
+    forming C x C blocks: ``hessian_diag`` for the exact GGN)."""
+    if ef or draws is not None:
+        return middle_factor(likelihood, f, y, ef=ef, draws=draws).square().sum(-1)
+    return likelihood.hessian_diag(f)
+
+
+def as_hyperparameter(value: Tensor | float, name: str, like: Tensor) -> Tensor:
+    """``value`` as a tensor with ``like``'s dtype and device, checked finite and > 0, keeping
+    its autograd graph (marginal-likelihood tuning differentiates through it)."""
+    if not isinstance(value, Tensor):
+        # Python numbers straight to the target dtype (0.3 via float32 would be off by 1e-8).
+        value = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    if name == "prior_precision":
+        tensor = check_prior(value)
+    else:
+        tensor = torch.as_tensor(value)
+        if tensor.numel() != 1:
+            raise ValueError(f"{name}: expected a scalar, got shape {tuple(tensor.shape)}")
+        if not torch.isfinite(tensor).all() or (tensor <= 0).any():
+            raise ValueError(f"{name}: must be finite and > 0, got {tensor}")
+        tensor = tensor.reshape(())
+    return tensor.to(dtype=like.dtype, device=like.device)
+
+
+def check_offset(offset: Tensor | None, num_samples: int) -> Tensor | None:
+    """Validate an output offset (N, C) for ``update`` (GLM refinement evaluates Lambda at the
+    linearised outputs f + offset while keeping the Jacobians of the current weights)."""
+    if offset is None:
+        return None
+    if not isinstance(offset, Tensor) or offset.ndim != 2 or offset.shape[0] != num_samples:
+        shape = tuple(offset.shape) if isinstance(offset, Tensor) else type(offset).__name__
+        raise ValueError(f"offset: expected shape (N, C) with N = {num_samples}, got {shape}")
+    if not torch.isfinite(offset).all():
+        raise ValueError("offset: contains NaN or inf")
+    return offset.detach()
+
+
+def cholesky_psd(matrix: Tensor, what: str = "posterior precision") -> Tensor:
+    """Lower Cholesky factor of a symmetric matrix that should be positive definite.
+
+    If the factorisation fails, a diagonal jitter (at most 1e-6 of the mean diagonal) is added
+    once with a warning naming it; if that fails too, a ``ValueError`` says the matrix is not
+    positive definite.
+    """
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) == 0:
+        return factor
+    diag = matrix.detach().diagonal()
+    base = float(diag.abs().mean()) if diag.numel() else 1.0
+    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+    for rel in (1e-12, 1e-9, 1e-6):
+        jitter = rel * base
+        factor, info = torch.linalg.cholesky_ex(matrix + jitter * eye)
+        if int(info) == 0:
+            warnings.warn(
+                f"{what} is not numerically positive definite; added jitter {jitter:.3g} "
+                f"({rel:g} x mean diagonal) to its diagonal before the Cholesky factorisation",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return factor
+    min_eig = float(torch.linalg.eigvalsh(matrix.detach()).min())
+    raise ValueError(
+        f"{what} is not positive definite (smallest eigenvalue {min_eig:.3g}, Cholesky failed "
+        f"even with jitter {1e-6 * base:.3g}); check that prior_precision and scale are > 0 "
+        "and that the curvature is positive semi-definite"
+    )
+
+
+# --------------------------------------------------------------------------- shared base class
+
+
+class GaussNewtonCurvature:
+    """State and batch loop shared by the Jacobian-based structures (full, diag, low-rank).
+
+    Holds the likelihood, subset, flavour (GGN / empirical Fisher / Monte Carlo) and chunking;
+    subclasses only say how to accumulate the per-chunk products (J_n^T L_n)^T of shape
+    (B, K, P). When the subset is exactly the final ``nn.Linear`` the products come from its
+    input features via the Kronecker identity (:mod:`gaussify.curvature.lastlayer`), otherwise
+    from ``torch.func`` per-sample vector-Jacobian products.
+
+    Arguments: ``likelihood`` a name or object (:func:`gaussify.likelihoods.get_likelihood`);
+    ``subset`` "all", "last_layer", a list of module / parameter names or a ParameterSubset;
+    ``ef`` use the empirical Fisher instead of the GGN; ``mc_samples`` > 0 estimates Lambda from
+    that many sampled labels per input (0 = exact); ``chunk_size`` samples per chunk (default:
+    a fixed memory budget); ``generator`` seeds the label samples; ``last_layer_identity``
+    enables the feature path for a final linear layer.
+    """
+
+    structure: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood,
+        subset: SubsetLike = "all",
+        *,
+        ef: bool = False,
+        mc_samples: int = 0,
+        chunk_size: int | None = None,
+        generator: torch.Generator | None = None,
+        last_layer_identity: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self.likelihood = get_likelihood(likelihood)
+        self.subset = resolve_subset(model, subset)
+        if not isinstance(ef, bool):
+            raise TypeError(f"ef: expected a bool, got {type(ef).__name__}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+            raise ValueError(f"mc_samples: expected an integer >= 0, got {mc_samples!r}")
+        if ef and mc_samples:
+            raise ValueError(
+                "mc_samples: the empirical Fisher (ef=True) uses the observed labels; "
+                "set mc_samples=0 or ef=False"
+            )
+        auto_chunk_size(1, 1, chunk_size)  # validates
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator, got {type(generator)}")
+        self.ef = ef
+        self.mc_samples = mc_samples
+        self.chunk_size = chunk_size
+        self.generator = generator
+        self._layer: OutputLinear | None = (
+            find_output_linear(model, self.subset) if last_layer_identity else None
+        )
+        reference = dict(model.named_parameters())[self.subset.names[0]]
+        self.dtype = reference.dtype
+        self.device = reference.device
+        self.num_data = 0
+
+    @property
+    def num_params(self) -> int:
+        return self.subset.num_params
+
+    # -- batch helpers -------------------------------------------------------------------
+
+    def _check_batch(self, model: nn.Module, x: Tensor, y: Tensor) -> None:
+        check_eval_mode(model)
+        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+            raise TypeError("x, y: expected tensors")
+        if x.shape[0] == 0:
+            raise ValueError("x: got an empty batch")
+        if y.shape[0] != x.shape[0]:
+            raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
+        named = dict(model.named_parameters())
+        for name, shape in zip(self.subset.names, self.subset.shapes, strict=True):
+            if name not in named or named[name].shape != shape:
+                raise ValueError(
+                    f"model: parameter {name!r} of the subset is missing or changed shape; "
+                    "use the model this curvature was built for"
+                )
+
+    def _forward(
+        self, model: nn.Module, x: Tensor, offset: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Outputs f (N, C) (plus ``offset``, where Lambda is evaluated) and, on the last-layer
+        path, the features phi (N, D)."""
+        with torch.no_grad():
+            f, phi = forward_with_features(model, x, self._layer)
+        if not isinstance(f, Tensor) or f.ndim != 2:
+            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+            raise ValueError(f"model: expected outputs of shape (N, C), got {shape}")
+        f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
+        return f, None if phi is None else phi.detach()
+
+    def _draw(self, f: Tensor) -> Tensor | None:
+        if not self.mc_samples:
+            return None
+        return draw_labels(self.likelihood, f, self.mc_samples, self.generator)
+
+    def _factor(self, f: Tensor, y: Tensor, draws: Tensor | None) -> Tensor:
+        return middle_factor(self.likelihood, f, y, ef=self.ef, draws=draws)
+
+    def _factor_diag(self, f: Tensor, y: Tensor, draws: Tensor | None) -> Tensor:
+        return middle_diag(self.likelihood, f, y, ef=self.ef, draws=draws)
+
+    def _num_factors(self, num_outputs: int) -> int:
+        if self.ef:
+            return 1
+        return self.mc_samples or num_outputs
+
+    def _products(
+        self,
+        model: nn.Module,
+        x: Tensor | None,
+        y: Tensor,
+        f: Tensor,
+        phi: Tensor | None,
+        draws: Tensor | None,
+    ) -> Iterator[Tensor]:
+        """Chunks of per-sample products (J_n^T L_n)^T, each (B, K, P) (``x`` is only needed
+        off the last-layer feature path)."""
+        n = f.shape[0]
+        k = self._num_factors(f.shape[1])
+        chunk = auto_chunk_size(n, k * self.num_params, self.chunk_size)
+        for sl in chunk_slices(n, chunk):
+            factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
+            if phi is not None and self._layer is not None:
+                yield lastlayer_products(phi[sl], factor, self._layer)
+            else:
+                if x is None:
+                    raise ValueError("x: inputs are needed off the last-layer feature path")
+                yield per_sample_vjp(
+                    model, x[sl], self.subset, factor.transpose(1, 2), chunk_size=chunk
+                )
+
+    def _diag_batch(
+        self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(diag of the batch's G (P,), f (N, C), phi (N, D) or None, draws or None).
+
+        On the last-layer path from features alone; otherwise per-layer for plain linear
+        layers and per-sample ``torch.func`` products for everything else
+        (:func:`gaussify.curvature.jacobian.squared_vjp_sum`).
+        """
+        if self._layer is not None:
+            f, phi = self._forward(model, x, offset)
+            if phi is not None:
+                draws = self._draw(f)
+                middle = self._factor_diag(f, y, draws)
+                return lastlayer_diag(phi, middle, self._layer), f, phi, draws
+        held: dict[str, Tensor | None] = {}
+
+        def cotangents(f: Tensor) -> Tensor:
+            if offset is not None:
+                f = f + offset.to(f.dtype)
+            held["draws"] = self._draw(f)
+            return self._factor(f, y, held["draws"]).transpose(1, 2)
+
+        diag, f = squared_vjp_sum(model, x, self.subset, cotangents, self.chunk_size)
+        return diag, f if offset is None else f + offset.to(f.dtype), None, held["draws"]
+
+    def _load_num_data(self, state: dict[str, Tensor]) -> None:
+        if "num_data" not in state:
+            raise ValueError("state: missing key 'num_data'")
+        self.num_data = int(state["num_data"])
+
+    def _check_state_tensor(
+        self, state: dict[str, Tensor], key: str, shape: tuple[int, ...]
+    ) -> Tensor:
+        if key not in state:
+            raise ValueError(f"state: missing key {key!r} (got {sorted(state)})")
+        value = torch.as_tensor(state[key])
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"state: {key!r} has shape {tuple(value.shape)}, expected {shape} for "
+                f"{self.num_params} parameters"
+            )
+        return value.to(dtype=self.dtype, device=self.device)

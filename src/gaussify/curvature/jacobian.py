@@ -1,0 +1,553 @@
+"""Per-sample output Jacobians and Jacobian-vector products with ``torch.func``.
+
+The network Jacobian J(x) = d f(x; theta) / d theta (thesis eq. 2.22) is the feature map of the
+linearised network (eq. 2.26 / 3.1); every Gauss-Newton curvature is built from products with it
+(GGN J^T Lambda J, eq. 2.24 / 3.11; gradients J^T r, eq. 2.23). All functions here work for any
+module that ``torch.func.functional_call`` can run (LayerNorm, BatchNorm in eval mode, skip
+connections, non-Sequential models): the parameters of the chosen subset are the differentiated
+inputs, every other parameter and buffer stays fixed at its current value.
+
+The model must be in **eval mode** where that matters: a BatchNorm in training mode mixes the
+samples of a batch (and would update its running statistics), and Dropout in training mode is
+random; both raise a ``ValueError`` naming the module. Modes are never switched here.
+
+Memory is bounded by chunking over samples: at most a ``(chunk, K, P)`` block of per-sample
+products exists at once, never an ``(N, C, P)`` array over a whole data set unless asked for
+(:func:`jacobians` returns one for the inputs it is given, which the caller chunks).
+
+Speed: parameters of plain ``nn.Linear`` layers (the bulk of most networks) take a per-layer
+route in :func:`per_sample_vjp` and :func:`squared_vjp_sum`: one forward pass with hooks and one
+batched (vmapped) backward pass over the K cotangents give each layer's inputs a and output
+gradients delta, and the per-sample products are delta ⊗ a (the identity KFAC and BackPACK use);
+the diagonal needs only (delta^2)^T (a^2). Each traced layer is verified against the batched
+parameter gradient, so a weight that is also used outside its module falls back to the generic
+``torch.func`` path, which every other parameter takes.
+
+Shapes: inputs ``x (N, ...)``, outputs ``f (N, C)``, parameters flattened in
+``model.named_parameters()`` order of the subset, ``P = subset.num_params``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.func as tfunc
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from gaussify.curvature.subset import ParameterSubset, select_parameters
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "SubsetLike",
+    "auto_chunk_size",
+    "check_eval_mode",
+    "chunk_slices",
+    "jacobians",
+    "jvp",
+    "jvp_with_outputs",
+    "model_outputs",
+    "per_sample_vjp",
+    "resolve_subset",
+    "squared_vjp_sum",
+    "vjp",
+]
+
+SubsetLike = str | Sequence[str] | ParameterSubset
+
+#: Budget (in tensor elements) for one chunk of per-sample products, ``chunk * K * P``.
+#: 2**24 elements are 128 MiB in float64.
+DEFAULT_CHUNK_ELEMENTS = 2**24
+
+
+def resolve_subset(model: nn.Module, subset: SubsetLike) -> ParameterSubset:
+    """A :class:`ParameterSubset` for ``subset`` (passed through if it already is one)."""
+    if isinstance(subset, ParameterSubset):
+        return subset
+    return select_parameters(model, subset)
+
+
+def auto_chunk_size(num_samples: int, per_sample: int, chunk_size: int | None = None) -> int:
+    """Samples per chunk: ``chunk_size`` if given, else as many as fit the element budget."""
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected a positive integer or None, got {chunk_size!r}")
+        return chunk_size
+    return max(1, min(max(num_samples, 1), DEFAULT_CHUNK_ELEMENTS // max(per_sample, 1)))
+
+
+def chunk_slices(num_samples: int, chunk_size: int) -> Iterator[slice]:
+    """Consecutive slices of at most ``chunk_size`` samples covering ``range(num_samples)``."""
+    for start in range(0, num_samples, chunk_size):
+        yield slice(start, min(start + chunk_size, num_samples))
+
+
+def check_eval_mode(model: nn.Module) -> None:
+    """Raise if a module whose output depends on the batch or on randomness is in training mode.
+
+    Per-sample Jacobians assume f(x_n) depends on x_n only (thesis eq. 2.22); BatchNorm in
+    training mode breaks that (and would update running statistics), Dropout makes f random.
+    """
+    for name, module in model.named_modules():
+        if module.training and isinstance(module, _BatchNorm | _DropoutNd | nn.AlphaDropout):
+            raise ValueError(
+                f"model: module {name or '<root>'!r} ({type(module).__name__}) is in training "
+                "mode; call model.eval() before computing Jacobians or curvature (per-sample "
+                "Jacobians need outputs that depend on one sample only and are deterministic)"
+            )
+
+
+def _check_output(out: Tensor, batch: int) -> None:
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"model: expected the forward pass to return a Tensor of shape (N, C), "
+            f"got {type(out).__name__}"
+        )
+    if out.ndim != 2 or out.shape[0] != batch:
+        raise ValueError(
+            f"model: expected outputs of shape (N, C) = ({batch}, C), got {tuple(out.shape)}; "
+            "wrap the model so that it returns a 2-D output"
+        )
+
+
+def _split(
+    model: nn.Module, subset: ParameterSubset
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(subset parameters, every other parameter), all detached from the autograd graph."""
+    chosen = set(subset.names)
+    named = dict(model.named_parameters())
+    missing = [n for n in subset.names if n not in named]
+    if missing:
+        raise ValueError(f"subset: parameters {missing} are not parameters of the model")
+    params = {n: named[n].detach() for n in subset.names}
+    frozen = {n: p.detach() for n, p in named.items() if n not in chosen}
+    return params, frozen
+
+
+def _single_sample_fn(
+    model: nn.Module, frozen: dict[str, Tensor]
+) -> Callable[[dict[str, Tensor], Tensor], Tensor]:
+    """f(params, x_n) -> (C,), the network on one sample as a function of the subset."""
+
+    def f(params: dict[str, Tensor], x_n: Tensor) -> Tensor:
+        out = functional_call(model, {**frozen, **params}, (x_n.unsqueeze(0),))
+        _check_output(out, 1)
+        return out.squeeze(0)
+
+    return f
+
+
+def _batch_fn(
+    model: nn.Module, frozen: dict[str, Tensor], x: Tensor
+) -> Callable[[dict[str, Tensor]], Tensor]:
+    """f(params) -> (N, C) on a batch (valid for products because samples are independent)."""
+
+    def f(params: dict[str, Tensor]) -> Tensor:
+        out = functional_call(model, {**frozen, **params}, (x,))
+        _check_output(out, x.shape[0])
+        return out
+
+    return f
+
+
+def _check_finite(block: Tensor, subset: ParameterSubset, model: nn.Module) -> None:
+    """Raise naming the first parameter tensor whose Jacobian entries are NaN or infinite."""
+    # One reduction first (NaN/inf propagate into the sum); the per-entry scan runs only when
+    # it is not finite, which keeps the check to one read of the block.
+    if torch.isfinite(block.sum()) or torch.isfinite(block).all():
+        return
+    parts = torch.split(block, list(subset.numels), dim=-1)
+    for name, part in zip(subset.names, parts, strict=True):
+        if not torch.isfinite(part).all():
+            mod_name = subset.module_of(name)
+            module = model.get_submodule(mod_name)
+            kind = "NaN" if torch.isnan(part).any() else "infinite"
+            raise ValueError(
+                f"{kind} Jacobian in parameter {name!r} (module {mod_name or '<root>'!r}, "
+                f"{type(module).__name__}): the network is not differentiable at the current "
+                "parameters (e.g. sqrt or norm at zero); curvature cannot be computed"
+            )
+
+
+def model_outputs(model: nn.Module, x: Tensor, chunk_size: int | None = None) -> Tensor:
+    """Network outputs f (N, C) without gradients, computed in chunks of ``chunk_size``."""
+    n = x.shape[0]
+    chunk = n if chunk_size is None else auto_chunk_size(n, 1, chunk_size)
+    outs = []
+    with torch.no_grad():
+        for sl in chunk_slices(n, max(chunk, 1)):
+            out = model(x[sl])
+            _check_output(out, x[sl].shape[0])
+            outs.append(out)
+    if not outs:
+        raise ValueError("x: got an empty batch")
+    return torch.cat(outs)
+
+
+def _generic_per_sample_vjp(
+    model: nn.Module, subset: ParameterSubset
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """(x (B, ...), u (B, K, C)) -> (B, K, P): vmap over samples of a vmap over K of vjp."""
+    params, frozen = _split(model, subset)
+    f_single = _single_sample_fn(model, frozen)
+
+    def one(x_n: Tensor, u_n: Tensor) -> Tensor:
+        _, pullback = tfunc.vjp(lambda p: f_single(p, x_n), params)
+        (grads,) = vmap(pullback)(u_n)
+        return subset.flatten(grads)
+
+    return vmap(one)
+
+
+def per_sample_vjp(
+    model: nn.Module,
+    x: Tensor,
+    subset: SubsetLike,
+    cotangents: Tensor,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """Per-sample vector-Jacobian products ``J_n^T u_{n,k}``, shape (N, K, P).
+
+    ``cotangents`` has shape (N, K, C): K output-space vectors per sample. With the columns of a
+    factor L_n (Lambda_n = L_n L_n^T) this gives the rows of the GGN square root, so that
+    sum_n J_n^T Lambda_n J_n = A^T A (thesis eq. 2.24 / 3.11); with the residual r_n it gives the
+    per-sample gradient J_n^T r_n (eq. 2.23). Computed in chunks of ``chunk_size`` samples
+    (default: a fixed element budget). Parameters of plain ``nn.Linear`` layers take the
+    per-layer route (K batched backward passes give each layer's output gradients delta, and
+    the per-sample products are delta ⊗ a, written in place; see :func:`_linear_traces`);
+    every other parameter uses ``vmap`` over samples of a ``vmap`` over K of
+    ``torch.func.vjp``.
+    """
+    subset = resolve_subset(model, subset)
+    check_eval_mode(model)
+    if cotangents.ndim != 3 or cotangents.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"cotangents: expected shape (N, K, C) with N = {x.shape[0]}, "
+            f"got {tuple(cotangents.shape)}"
+        )
+    linears = _hookable_linears(model, subset)
+    generic = None if linears else _generic_per_sample_vjp(model, subset)
+    named = dict(model.named_parameters())
+    offsets = dict(zip(subset.names, _offsets(subset), strict=True))
+    dtype = named[subset.names[0]].dtype
+    n, k = cotangents.shape[:2]
+    chunk = auto_chunk_size(n, k * subset.num_params, chunk_size)
+    blocks = []
+    for sl in chunk_slices(n, chunk):
+        u = cotangents[sl].to(dtype)
+        if generic is not None:
+            block = generic(x[sl], u)
+        else:
+            _, _, traces = _linear_traces(model, x[sl], linears, u)
+            block = torch.empty(u.shape[0], k, subset.num_params, dtype=u.dtype, device=u.device)
+            filled: set[str] = set()
+            for tr in traces:
+                deltas = tr.deltas.permute(1, 0, 2)  # (B, K, out)
+                for kind, name in tr.params:
+                    start, numel = offsets[name]
+                    target = block[:, :, start : start + numel]
+                    if kind == "weight":
+                        out_dim, in_dim = named[name].shape
+                        view = target.view(u.shape[0], k, out_dim, in_dim)
+                        torch.mul(deltas.unsqueeze(-1), tr.inputs[:, None, None, :], out=view)
+                    else:
+                        target.copy_(deltas)
+                    filled.add(name)
+            rest = [name for name in subset.names if name not in filled]
+            if rest:
+                sub = ParameterSubset(names=tuple(rest), shapes=tuple(named[r].shape for r in rest))
+                rest_block = _generic_per_sample_vjp(model, sub)(x[sl], u)
+                for name, part in zip(
+                    rest, torch.split(rest_block, list(sub.numels), dim=-1), strict=True
+                ):
+                    start, numel = offsets[name]
+                    block[:, :, start : start + numel] = part
+        _check_finite(block, subset, model)
+        blocks.append(block)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def jacobians(
+    model: nn.Module, x: Tensor, subset: SubsetLike = "all", chunk_size: int | None = None
+) -> Tensor:
+    """Per-sample output Jacobians J_n = d f(x_n) / d theta_subset, shape (N, C, P).
+
+    Thesis eq. 2.22, computed with ``vmap(jacrev(functional_call))`` over samples (C batched
+    backward passes), in chunks of ``chunk_size`` samples. The result is (N, C, P) for the
+    inputs given; to bound memory over a data set, call it per batch. Raises ``ValueError``
+    naming the parameter when an entry is NaN or infinite.
+    """
+    subset = resolve_subset(model, subset)
+    check_eval_mode(model)
+    params, frozen = _split(model, subset)
+    f_single = _single_sample_fn(model, frozen)
+    batched = vmap(jacrev(f_single), in_dims=(None, 0))
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("x: got an empty batch")
+    # C is unknown before the first forward; budget as if C were 16 and let users override.
+    chunk = auto_chunk_size(n, 16 * subset.num_params, chunk_size)
+    blocks = []
+    for sl in chunk_slices(n, chunk):
+        block = subset.flatten(batched(params, x[sl]))
+        _check_finite(block, subset, model)
+        blocks.append(block)
+    return torch.cat(blocks)
+
+
+def jvp_with_outputs(
+    model: nn.Module,
+    x: Tensor,
+    subset: SubsetLike,
+    v: Tensor,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(f (N, C), J v (N, C)): outputs and Jacobian-vector products J_n v for one v (P,).
+
+    Forward-mode ``torch.func.jvp`` of the batched network (the linearised network's change,
+    thesis eq. 2.26), chunked over samples.
+    """
+    subset = resolve_subset(model, subset)
+    check_eval_mode(model)
+    if v.shape != (subset.num_params,):
+        raise ValueError(f"v: expected shape ({subset.num_params},), got {tuple(v.shape)}")
+    params, frozen = _split(model, subset)
+    tangents = {name: t.to(params[name].dtype) for name, t in subset.unflatten(v).items()}
+    n = x.shape[0]
+    chunk = n if chunk_size is None else auto_chunk_size(n, 1, chunk_size)
+    outs, prods = [], []
+    for sl in chunk_slices(n, max(chunk, 1)):
+        out, prod = tfunc.jvp(_batch_fn(model, frozen, x[sl]), (params,), (tangents,))
+        if not torch.isfinite(prod).all():
+            raise ValueError(
+                "NaN Jacobian-vector product: the network is not differentiable at the current "
+                f"parameters in the subset {list(subset.names)}"
+            )
+        outs.append(out)
+        prods.append(prod)
+    if not outs:
+        raise ValueError("x: got an empty batch")
+    return torch.cat(outs), torch.cat(prods)
+
+
+def jvp(
+    model: nn.Module, x: Tensor, subset: SubsetLike, v: Tensor, chunk_size: int | None = None
+) -> Tensor:
+    """Jacobian-vector products J_n v for every sample, shape (N, C); v has shape (P,)."""
+    return jvp_with_outputs(model, x, subset, v, chunk_size)[1]
+
+
+def vjp(
+    model: nn.Module, x: Tensor, subset: SubsetLike, u: Tensor, chunk_size: int | None = None
+) -> Tensor:
+    """sum_n J_n^T u_n, shape (P,), for output-space vectors u (N, C) (thesis eq. 2.23 with
+    u = r gives the gradient of the log likelihood). Reverse mode on the batched network."""
+    subset = resolve_subset(model, subset)
+    check_eval_mode(model)
+    n = x.shape[0]
+    if u.ndim != 2 or u.shape[0] != n:
+        raise ValueError(f"u: expected shape (N, C) with N = {n}, got {tuple(u.shape)}")
+    params, frozen = _split(model, subset)
+    chunk = n if chunk_size is None else auto_chunk_size(n, 1, chunk_size)
+    total: Tensor | None = None
+    for sl in chunk_slices(n, max(chunk, 1)):
+        out, pullback = tfunc.vjp(_batch_fn(model, frozen, x[sl]), params)
+        if out.shape != u[sl].shape:
+            raise ValueError(f"u: expected shape {tuple(out.shape)} per chunk, got {u[sl].shape}")
+        (grads,) = pullback(u[sl].to(out.dtype))
+        flat = subset.flatten(grads)
+        total = flat if total is None else total + flat
+    if total is None:
+        raise ValueError("x: got an empty batch")
+    _check_finite(total, subset, model)
+    return total
+
+
+def _hookable_linears(model: nn.Module, subset: ParameterSubset) -> dict[str, list[str]]:
+    """Plain ``nn.Linear`` modules owning subset parameters that no other module shares:
+    module name -> ["weight"] / ["bias"] / both."""
+    owners = Counter(
+        id(p) for m in model.modules() for p in m._parameters.values() if p is not None
+    )
+    chosen = set(subset.names)
+    found: dict[str, list[str]] = {}
+    for mod_name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        kinds = [
+            kind
+            for kind in ("weight", "bias")
+            if f"{prefix}{kind}" in chosen
+            and getattr(module, kind) is not None
+            and owners[id(getattr(module, kind))] == 1
+        ]
+        if kinds:
+            found[mod_name] = kinds
+    return found
+
+
+@dataclass
+class _LinearTrace:
+    """One plain linear layer on the per-layer route: its inputs a (B, D_in), the gradients of
+    sum_n u_{n,k}^T f_n with respect to its outputs, delta (K, B, D_out), and its parameters in
+    the subset as (kind, full name)."""
+
+    module: str
+    inputs: Tensor
+    deltas: Tensor
+    params: list[tuple[str, str]]
+
+
+def _linear_traces(
+    model: nn.Module,
+    x: Tensor,
+    linears: dict[str, list[str]],
+    cotangents: Tensor | Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor, list[_LinearTrace]]:
+    """(f (N, C) detached, u (N, K, C), traces) from one forward pass with hooks and K batched
+    backward passes.
+
+    For a linear layer z_n = W a_n + b the per-sample gradient of u^T f_n is delta_n a_n^T
+    (and delta_n for b), so per-sample products need only a and delta (the identity behind
+    BackPACK and KFAC). A layer is traced only if it ran exactly once on 2-D inputs and
+    sum_n delta_n a_n^T equals the batched parameter gradient for every k; that check fails
+    when the weight is also used elsewhere in the forward pass, and the layer then falls back
+    to the generic path.
+    """
+    named = dict(model.named_parameters())
+    captured: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in linears}
+    handles = []
+    for mod_name in linears:
+
+        def hook(
+            _m: nn.Module, inputs: tuple[Tensor, ...], out: Tensor, key: str = mod_name
+        ) -> None:
+            captured[key].append((inputs[0], out))
+
+        handles.append(model.get_submodule(mod_name).register_forward_hook(hook))
+    try:
+        with torch.enable_grad():
+            f = model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    _check_output(f, x.shape[0])
+    u = cotangents(f.detach()) if callable(cotangents) else cotangents
+    if u.ndim != 3 or u.shape[0] != f.shape[0] or u.shape[2] != f.shape[1]:
+        raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
+    usable = [
+        m
+        for m, calls in captured.items()
+        if len(calls) == 1 and calls[0][0].ndim == 2 and calls[0][1].requires_grad
+    ]
+    if not usable or not f.requires_grad:
+        return f.detach(), u, []
+    outs = [captured[m][0][1] for m in usable]
+    acts = [captured[m][0][0].detach() for m in usable]
+    pnames = [(m, kind, f"{m}.{kind}" if m else kind) for m in usable for kind in linears[m]]
+    params = [named[full] for _, _, full in pnames]
+    rtol = 1e-4 if f.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
+    grads = _batched_output_grads(f, outs + params, u.to(f.dtype).transpose(0, 1))
+    deltas = grads[: len(outs)]
+    ok = dict.fromkeys(usable, True)
+    for (m, kind, _), ref in zip(pnames, grads[len(outs) :], strict=True):
+        d, a = deltas[usable.index(m)], acts[usable.index(m)]
+        per_sum = torch.einsum("kbo,bi->koi", d, a) if kind == "weight" else d.sum(1)
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        if not torch.allclose(per_sum, ref, rtol=rtol, atol=rtol * max(scale, 1e-30)):
+            ok[m] = False
+    traces = [
+        _LinearTrace(
+            module=m,
+            inputs=acts[i],
+            deltas=deltas[i],
+            params=[(kind, f"{m}.{kind}" if m else kind) for kind in linears[m]],
+        )
+        for i, m in enumerate(usable)
+        if ok[m]
+    ]
+    return f.detach(), u, traces
+
+
+def _batched_output_grads(f: Tensor, inputs: list[Tensor], grad_outputs: Tensor) -> list[Tensor]:
+    """Gradients of sum(grad_outputs[k] * f) with respect to ``inputs`` for every k, each
+    stacked to (K, *input.shape): one vmapped backward pass (``is_grads_batched``), or K
+    passes if some operation cannot be batched. Unused inputs get zeros."""
+    try:
+        grads = torch.autograd.grad(
+            f, inputs, grad_outputs=grad_outputs, allow_unused=True, is_grads_batched=True
+        )
+    except RuntimeError:
+        per_k = [
+            torch.autograd.grad(f, inputs, grad_outputs=g, retain_graph=True, allow_unused=True)
+            for g in grad_outputs
+        ]
+        grads = tuple(
+            None if any(row[i] is None for row in per_k) else torch.stack([row[i] for row in per_k])
+            for i in range(len(inputs))
+        )
+    k = grad_outputs.shape[0]
+    return [
+        g.detach() if g is not None else torch.zeros(k, *t.shape, dtype=t.dtype, device=t.device)
+        for g, t in zip(grads, inputs, strict=True)
+    ]
+
+
+def _offsets(subset: ParameterSubset) -> list[tuple[int, int]]:
+    """(start, numel) of each parameter tensor in the flattened subset vector."""
+    out, start = [], 0
+    for numel in subset.numels:
+        out.append((start, numel))
+        start += numel
+    return out
+
+
+def squared_vjp_sum(
+    model: nn.Module,
+    x: Tensor,
+    subset: SubsetLike,
+    cotangents: Callable[[Tensor], Tensor],
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
+
+    The diagonal of sum_n J_n^T U_n^T U_n J_n (the diagonal GGN, thesis eq. 2.24, for U_n the
+    transposed factor of Lambda_n; the diagonal empirical Fisher for U_n = r_n^T). The
+    cotangents depend on the outputs, so they are given as a function ``f (N, C) -> U (N, K, C)``
+    evaluated after the forward pass.
+
+    Parameters of plain ``nn.Linear`` layers take the per-layer route (:func:`_linear_traces`):
+    the squared per-sample gradient of W summed over samples is (delta^2)^T (a^2), with no
+    per-sample tensor, about K gradient passes in all. Every other parameter uses chunked
+    ``torch.func`` per-sample products.
+    """
+    subset = resolve_subset(model, subset)
+    check_eval_mode(model)
+    named = dict(model.named_parameters())
+    f, u, traces = _linear_traces(model, x, _hookable_linears(model, subset), cotangents)
+    sums: dict[str, Tensor] = {}
+    for tr in traces:
+        d_sq = tr.deltas.square()
+        for kind, name in tr.params:
+            if kind == "weight":
+                sums[name] = torch.einsum("kno,ni->oi", d_sq, tr.inputs.square())
+            else:
+                sums[name] = d_sq.sum((0, 1))
+    rest = [n for n in subset.names if n not in sums]
+    if rest:
+        sub = ParameterSubset(names=tuple(rest), shapes=tuple(named[n].shape for n in rest))
+        generic = _generic_per_sample_vjp(model, sub)
+        chunk = auto_chunk_size(u.shape[0], u.shape[1] * sub.num_params, chunk_size)
+        total = torch.zeros(sub.num_params, dtype=f.dtype, device=f.device)
+        for sl in chunk_slices(u.shape[0], chunk):
+            total += generic(x[sl], u[sl].to(f.dtype)).square().sum((0, 1))
+        sums.update(sub.unflatten(total))
+    out = subset.flatten({n: sums[n].reshape(named[n].shape) for n in subset.names})
+    _check_finite(out, subset, model)
+    return out, f

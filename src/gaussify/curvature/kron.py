@@ -1,0 +1,745 @@
+"""Kronecker-factored GGN (KFAC) curvature: ``structure="kron"``.
+
+For a layer with (bias-augmented) input ``a`` and pre-activation ``s = W a``, the GGN block
+(Immer thesis eq. 2.24, ``sum_n J_n^T Lambda_n J_n``) is approximated by one Kronecker product
+(Martens & Grosse 2015; Botev et al. 2017)::
+
+    G_l  ~=  (B_l kron A_l) / M_l,   A_l = sum a a^T,   B_l = sum g g^T,
+
+where ``g = (ds/df)^T v`` is an output vector ``v`` backpropagated to the pre-activation. The
+output vectors are
+
+* exact KFAC (default): the C columns of ``L_n`` with ``Lambda_n = L_n L_n^T`` (one backward
+  pass per column), so ``sum_c g g^T = J_s^T Lambda J_s``;
+* Monte-Carlo KFAC (``mc_samples=S``): residuals ``d log p(y_s | f) / df`` at sampled targets
+  ``y_s ~ p(y | f)``, scaled by ``1/sqrt(S)`` (unbiased because ``E[r r^T] = Lambda``);
+* empirical Fisher (``ef=True``): the residual at the observed target.
+
+``M_l`` is the number of "samples" that entered ``A_l`` (the laplace-torch convention
+``(sum A) kron (sum B) / N``), which makes KFAC exact for a single linear layer with one
+output, and, for one data point, on every layer's diagonal block (with ``kron_bias="joint"``).
+Between layers the approximation is block-diagonal. Layers with weight sharing
+(``nn.Conv2d`` over its ``T`` spatial locations, ``nn.Linear`` applied to ``(N, T, in)``
+inputs) follow Eschenhagen et al. (2023):
+
+* ``kfac_approx="expand"``: every location is a sample: ``A = sum_{n,t} a a^T``,
+  ``B = sum_{n,t} g g^T``, ``M = N T``;
+* ``kfac_approx="reduce"``: per data point, inputs are *averaged* and output gradients
+  *summed* over locations first: ``A = sum_n abar abar^T``, ``B = sum_n gsum gsum^T``,
+  ``M = N``.
+
+Both coincide with plain KFAC when ``T = 1``.
+
+**Ordering.** A layer's block is laid out as a matrix ``(out, d)``: the first columns are the
+weight reshaped ``(out, in)`` (row-major, which is ``W.flatten()``; for Conv2d
+``in = C_in * kh * kw`` in ``F.unfold`` order), the last column is the bias. A vector over the
+block is that matrix flattened row-major, and ``B kron A`` acts as ``V -> B V A``. A
+permutation maps it to the subset's flattened order (``model.named_parameters()``: all of W,
+then b), so every vector and matrix the posterior returns is in subset order.
+
+**Bias.** ``kron_bias="joint"`` (default) gives W and b one block ``B kron A`` with ``A`` over
+``[a, 1]``, keeping the W-b cross terms (exact for a single linear layer with one output).
+``kron_bias="separate"`` uses two blocks, ``B kron A[:-1, :-1] / M`` and ``B * A[-1, -1] / M``,
+dropping the cross terms, as laplace-torch's backends do (use it to compare numbers with
+laplace-torch). A subset that holds only a layer's bias is supported: its block is
+``B * A[-1, -1] / M`` (exact for Linear).
+
+**Posterior.** ``posterior(prior, scale)`` returns ``scale * G + diag(prior)`` with the prior
+added to the eigenvalues of each Kronecker block (laplace-torch's ``KronDecomposed`` without
+damping): with ``A = Q_a diag(l_a) Q_a^T``, ``B = Q_b diag(l_b) Q_b^T`` the block has
+eigenvectors ``Q_b kron Q_a`` and eigenvalues ``scale * l_b l_a^T / M + delta``, which gives
+log-determinants, solves, samples and functional covariances in closed form, differentiable
+in ``prior`` and ``scale``. The prior may be a scalar or one value per parameter tensor ("per
+layer"); a per-parameter (P,) prior must be constant within each tensor. When a joint block's
+weight and bias have different priors, the bias column carries an extra ``delta_b - delta_W``,
+which commutes with ``Q_b kron I``: per eigenvector of B it is a rank-one update handled
+exactly by Sherman-Morrison and the matrix determinant lemma.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gaussify.curvature.base import check_offset
+from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
+from gaussify.likelihoods import Likelihood, get_likelihood
+
+__all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
+
+KFACApprox = Literal["expand", "reduce"]
+KronBias = Literal["joint", "separate"]
+_SUPPORTED = (nn.Linear, nn.Conv2d)
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def kron_block_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition ``(eigenvalues, eigenvectors)`` of a symmetric PSD Kronecker factor.
+
+    The factor is symmetrised first and eigenvalues are clamped at 0: Gram matrices are PSD,
+    so negative eigenvalues are round-off only.
+    """
+    eigvals, eigvecs = torch.linalg.eigh(0.5 * (factor + factor.mT))
+    return eigvals.clamp_min(0.0), eigvecs
+
+
+def _layer_inputs(module: nn.Module, inp: Tensor) -> Tensor:
+    """A layer's input as ``(N, T, in)``: T weight-sharing locations per data point."""
+    if isinstance(module, nn.Conv2d):
+        if inp.ndim != 4:
+            raise ValueError(
+                f"kron: Conv2d expects a batched (N, C, H, W) input, got shape {tuple(inp.shape)}"
+            )
+        # The module's own padding (any padding_mode, 'same' included), then plain unfold,
+        # whose patch order (channel, kh, kw) matches weight.reshape(out, -1).
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(inp, module._reversed_padding_repeated_twice, mode=mode)
+        patches = F.unfold(
+            x, module.kernel_size, dilation=module.dilation, padding=0, stride=module.stride
+        )
+        return patches.transpose(1, 2)
+    if inp.ndim < 2:
+        raise ValueError(
+            f"kron: Linear expects a batched (N, ..., in) input, got shape {tuple(inp.shape)}"
+        )
+    return inp.reshape(inp.shape[0], -1, inp.shape[-1])
+
+
+def _layer_output_grads(module: nn.Module, grad: Tensor) -> Tensor:
+    """Gradients wrt a layer's pre-activation as ``(N, T, out)``, matching :func:`_layer_inputs`."""
+    if isinstance(module, nn.Conv2d):
+        return grad.flatten(2).transpose(1, 2)
+    return grad.reshape(grad.shape[0], -1, grad.shape[-1])
+
+
+def _augment(a: Tensor, use_weight: bool, use_bias: bool) -> Tensor:
+    """The block input ``(N, T, d)``: ``a`` if the weight is in the block, then 1 for the bias."""
+    parts = []
+    if use_weight:
+        parts.append(a)
+    if use_bias:
+        parts.append(a.new_ones(*a.shape[:-1], 1))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _gram(x: Tensor, approx: KFACApprox, reduce_op: Literal["mean", "sum"]) -> Tensor:
+    """``sum x x^T`` over samples of ``x (N, T, k)``: over (n, t) for expand; for reduce over n
+    after averaging (inputs) or summing (output gradients) over t (Eschenhagen et al. 2023)."""
+    if approx == "expand":
+        x2 = x.reshape(-1, x.shape[-1])
+    else:
+        x2 = x.mean(1) if reduce_op == "mean" else x.sum(1)
+    return x2.mT @ x2
+
+
+# ----------------------------------------------------------------------------- layer bookkeeping
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One supported module whose parameters (weight and/or bias) are in the subset."""
+
+    path: str
+    weight: str | None  # full parameter name, or None if not in the subset
+    bias: str | None
+    in_features: int  # columns of the weight matrix (C_in * kh * kw for Conv2d)
+    out_features: int
+
+    @property
+    def a_dim(self) -> int:
+        return (self.in_features if self.weight else 0) + (1 if self.bias else 0)
+
+
+def _display(path: str) -> str:
+    return repr(path) if path else "'' (the model itself)"
+
+
+def _build_layers(model: nn.Module, subset: ParameterSubset) -> list[_Layer]:
+    """Group the subset's parameters by owning module and check that KFAC supports each one."""
+    by_module: dict[str, dict[str, str]] = {}
+    for name in subset.names:
+        path, _, leaf = name.rpartition(".")
+        by_module.setdefault(path, {})[leaf] = name
+    layers = []
+    for path, leaves in by_module.items():
+        module = model.get_submodule(path)
+        if not isinstance(module, _SUPPORTED):
+            raise ValueError(
+                f"kron: parameter(s) {sorted(leaves.values())} belong to module "
+                f"{_display(path)} of type {type(module).__name__}, which Kronecker-factored "
+                "(KFAC) curvature does not support (supported: nn.Linear, nn.Conv2d); "
+                "use structure='full', 'diag' or 'lowrank', which support any module, or "
+                "leave this module out of the subset"
+            )
+        unknown = set(leaves) - {"weight", "bias"}
+        if unknown:
+            raise ValueError(
+                f"kron: module {_display(path)} ({type(module).__name__}) has parameters "
+                f"{sorted(unknown)} besides weight/bias, which KFAC does not support"
+            )
+        if isinstance(module, nn.Conv2d):
+            if module.groups != 1:
+                raise ValueError(
+                    f"kron: Conv2d module {_display(path)} has groups={module.groups}; "
+                    "KFAC supports groups=1 only (use structure='full', 'diag' or 'lowrank')"
+                )
+            in_features = module.in_channels * math.prod(module.kernel_size)
+            out_features = module.out_channels
+        else:
+            in_features, out_features = module.in_features, module.out_features
+        layers.append(
+            _Layer(path, leaves.get("weight"), leaves.get("bias"), in_features, out_features)
+        )
+    return layers
+
+
+def _as_tensor(value: Tensor | float, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.to(dtype=like.dtype, device=like.device)
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _subset_offsets(subset: ParameterSubset) -> dict[str, int]:
+    offsets, pos = {}, 0
+    for name, numel in zip(subset.names, subset.numels, strict=True):
+        offsets[name] = pos
+        pos += numel
+    return offsets
+
+
+# ----------------------------------------------------------------------------- posterior
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One Kronecker block over an ``(out, d)`` matrix: precision
+    ``Q diag(eig) Q^T + shift * diag(last column)`` with ``Q = q_out kron q_in``.
+
+    ``index (out, d)`` holds each entry's position in subset order. ``shift`` (or None) is
+    ``delta_bias - delta_weight`` for a joint weight+bias block whose two tensors have
+    different prior precisions; the bias is the last column.
+    """
+
+    index: Tensor
+    q_out: Tensor
+    q_in: Tensor
+    eig: Tensor  # (out, d): eigenvalues of scale * G + delta_weight
+    shift: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _RankOne:
+    """Sherman-Morrison terms of a block with a bias shift ``c``, per eigenvector ``i`` of B.
+
+    In the basis ``q_out kron q_in`` the precision is block-diagonal over ``i`` with blocks
+    ``diag(E_i) + c u u^T``, ``u = q_in[-1, :]`` (the bias row). With ``K_i = diag(1/E_i)``:
+    ``ue_i = K_i u``, ``h_i = u^T K_i u``, ``denom_i = 1 + c h_i`` (> 0) and
+    ``beta_i = c / denom_i``, so that ``(diag(E_i) + c u u^T)^-1 = K_i - beta_i ue_i ue_i^T``
+    and ``log det = sum log E_i + log denom_i``.
+    """
+
+    ue: Tensor  # (out, d)
+    h: Tensor  # (out,)
+    denom: Tensor  # (out,)
+    beta: Tensor  # (out,)
+
+
+def _rank_one(b: _Block) -> _RankOne | None:
+    if b.shift is None:
+        return None
+    u = b.q_in[-1]
+    ue = u / b.eig
+    h = (u * ue).sum(-1)
+    denom = 1 + b.shift * h
+    return _RankOne(ue, h, denom, b.shift / denom)
+
+
+class KronPosteriorPrecision:
+    """Block-diagonal Kronecker posterior precision ``A = scale * G + diag(prior)``, Sigma = A^-1.
+
+    Every vector is in the subset's flattened order (``model.named_parameters()``), shape
+    ``(..., P)``. All operations work in each block's Kronecker eigenbasis (plus a rank-one
+    Sherman-Morrison term per row when a joint block's weight and bias have different priors),
+    so they cost ``O(out^3 + d^3)`` per block rather than ``O(P^3)``, and are differentiable
+    wrt the prior precision and the GGN scale.
+    """
+
+    def __init__(self, blocks: list[_Block], num_params: int) -> None:
+        self.blocks = blocks
+        self.num_params = num_params
+        perm = torch.cat([b.index.reshape(-1) for b in blocks])
+        if perm.numel() != num_params or not torch.equal(
+            torch.sort(perm).values, torch.arange(num_params, device=perm.device)
+        ):
+            raise ValueError("kron: the Kronecker blocks do not cover the parameters exactly once")
+        self._perm = perm  # block order -> subset position
+        self._inv_perm = torch.argsort(perm)  # subset position -> block order
+        self._sizes = [b.eig.numel() for b in blocks]
+        self._r1 = [_rank_one(b) for b in blocks]
+
+    # -- helpers
+    def _split(self, v: Tensor) -> list[Tensor]:
+        """``(..., P)`` in subset order -> list of ``(..., out, d)`` block matrices."""
+        parts = torch.split(v[..., self._perm], self._sizes, dim=-1)
+        return [
+            p.reshape(*v.shape[:-1], *b.eig.shape) for p, b in zip(parts, self.blocks, strict=True)
+        ]
+
+    def _merge(self, mats: list[Tensor]) -> Tensor:
+        """Inverse of :meth:`_split`."""
+        flat = torch.cat([m.reshape(*m.shape[:-2], -1) for m in mats], dim=-1)
+        return flat[..., self._inv_perm]
+
+    @staticmethod
+    def _to_eigbasis(b: _Block, m: Tensor) -> Tensor:
+        return b.q_out.mT @ m @ b.q_in
+
+    @staticmethod
+    def _from_eigbasis(b: _Block, m: Tensor) -> Tensor:
+        return b.q_out @ m @ b.q_in.mT
+
+    @staticmethod
+    def _bias_column(b: _Block, m: Tensor) -> Tensor:
+        """``m`` with every column but the last (bias) zeroed."""
+        mask = torch.zeros(b.eig.shape[-1], dtype=m.dtype, device=m.device)
+        mask[-1] = 1
+        return m * mask
+
+    def _inner_cov(self, b: _Block, r1: _RankOne | None) -> Tensor:
+        """Sigma in the block's eigenbasis, ``(out * d, out * d)``."""
+        if r1 is None:
+            return torch.diag(b.eig.reciprocal().reshape(-1))
+        inner = torch.diag_embed(b.eig.reciprocal()) - r1.beta[:, None, None] * (
+            r1.ue.unsqueeze(-1) * r1.ue.unsqueeze(-2)
+        )
+        return torch.block_diag(*inner.unbind(0))
+
+    def _dense(self, covariance: bool) -> Tensor:
+        mats = []
+        for b, r1 in zip(self.blocks, self._r1, strict=True):
+            q = torch.kron(b.q_out, b.q_in)
+            if covariance:
+                mats.append(q @ self._inner_cov(b, r1) @ q.mT)
+            else:
+                mat = (q * b.eig.reshape(-1)) @ q.mT
+                if b.shift is not None:
+                    diag = self._bias_column(b, torch.ones_like(b.eig)).reshape(-1)
+                    mat = mat + torch.diag(b.shift * diag)
+                mats.append(mat)
+        dense = torch.block_diag(*mats)
+        return dense[self._inv_perm][:, self._inv_perm]
+
+    # -- protocol
+    def logdet(self) -> Tensor:
+        """``log det A`` (scalar)."""
+        total = 0
+        for b, r1 in zip(self.blocks, self._r1, strict=True):
+            total = total + b.eig.log().sum()
+            if r1 is not None:
+                total = total + r1.denom.log().sum()
+        return total
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """``(n, P)`` draws from ``N(0, A^-1)``."""
+        ref = self.blocks[0].eig
+        z = torch.randn(n, self.num_params, generator=generator, dtype=ref.dtype, device=ref.device)
+        mats = []
+        for b, r1, zb in zip(self.blocks, self._r1, torch.split(z, self._sizes, -1), strict=True):
+            xi = zb.reshape(n, *b.eig.shape)
+            if r1 is not None:
+                # K^1/2 (I - alpha w w^T) xi with w = K^1/2 u and (I - alpha w w^T)^2 =
+                # I - beta w w^T, i.e. alpha = (1 - denom^-1/2) / h.
+                w = r1.ue * b.eig.sqrt()
+                alpha = (1 - r1.denom.rsqrt()) / r1.h
+                xi = xi - (alpha * (xi * w).sum(-1)).unsqueeze(-1) * w
+            mats.append(self._from_eigbasis(b, xi * b.eig.rsqrt()))
+        return self._merge(mats)
+
+    def solve(self, v: Tensor) -> Tensor:
+        """``A^-1 v`` for ``v (..., P)``."""
+        mats = []
+        for b, r1, m in zip(self.blocks, self._r1, self._split(v), strict=True):
+            w = self._to_eigbasis(b, m)
+            x = w / b.eig
+            if r1 is not None:
+                x = x - (r1.beta * (w * r1.ue).sum(-1)).unsqueeze(-1) * r1.ue
+            mats.append(self._from_eigbasis(b, x))
+        return self._merge(mats)
+
+    def matvec(self, v: Tensor) -> Tensor:
+        """``A v`` for ``v (..., P)``."""
+        mats = []
+        for b, m in zip(self.blocks, self._split(v), strict=True):
+            out = self._from_eigbasis(b, self._to_eigbasis(b, m) * b.eig)
+            if b.shift is not None:
+                out = out + b.shift * self._bias_column(b, m)
+            mats.append(out)
+        return self._merge(mats)
+
+    def functional_cov(self, jac: Tensor) -> Tensor:
+        """``J Sigma J^T`` for ``jac (N, C, P)`` -> ``(N, C, C)``."""
+        out = 0
+        for b, r1, m in zip(self.blocks, self._r1, self._split(jac), strict=True):
+            jt = self._to_eigbasis(b, m)  # (N, C, out, d)
+            out = out + torch.einsum("ncij,nkij->nck", jt / b.eig, jt)
+            if r1 is not None:
+                p = (jt * r1.ue).sum(-1)  # (N, C, out)
+                out = out - torch.einsum("nci,nki->nck", p * r1.beta, p)
+        return out
+
+    def functional_var(self, jac: Tensor) -> Tensor:
+        """Diagonal of :meth:`functional_cov`, ``(N, C)``, without forming the C x C blocks."""
+        out = 0
+        for b, r1, m in zip(self.blocks, self._r1, self._split(jac), strict=True):
+            jt = self._to_eigbasis(b, m)
+            out = out + (jt.square() / b.eig).sum((-2, -1))
+            if r1 is not None:
+                out = out - ((jt * r1.ue).sum(-1).square() * r1.beta).sum(-1)
+        return out
+
+    def precision_dense(self) -> Tensor:
+        """``A`` as a dense ``(P, P)`` matrix (small models / tests)."""
+        return self._dense(covariance=False)
+
+    def covariance_dense(self) -> Tensor:
+        """``Sigma = A^-1`` as a dense ``(P, P)`` matrix."""
+        return self._dense(covariance=True)
+
+    def covariance_diag(self) -> Tensor:
+        """``diag(Sigma)``, ``(P,)``: ``(Q_out^2) diag(1/eig) (Q_in^2)^T`` per block (minus the
+        rank-one terms)."""
+        mats = []
+        for b, r1 in zip(self.blocks, self._r1, strict=True):
+            diag = b.q_out.square() @ b.eig.reciprocal() @ b.q_in.square().mT
+            if r1 is not None:
+                r = r1.ue @ b.q_in.mT  # (out, d): row i is Q_in K_i u
+                diag = diag - b.q_out.square() @ (r1.beta.unsqueeze(-1) * r.square())
+            mats.append(diag)
+        return self._merge(mats)
+
+
+# ----------------------------------------------------------------------------- curvature
+
+
+class KronGGN:
+    """KFAC approximation of the GGN (or Fisher / empirical Fisher) over a parameter subset.
+
+    ``update(model, x, y)`` adds one batch (sums over data, never means); ``posterior`` turns
+    the factors into a :class:`KronPosteriorPrecision`. See the module docstring for the
+    factors, normalisation, ordering and bias conventions. Memory is bounded by one batch of
+    layer inputs and pre-activation gradients; no per-sample parameter Jacobians are formed.
+
+    ``subset``: "all", "last_layer", names, or a ParameterSubset; every module it touches must
+    be an ``nn.Linear`` or ``nn.Conv2d`` (groups=1), else ``ValueError`` names the module.
+    ``kfac_approx``: weight-sharing variant ("expand" | "reduce"); ``kron_bias``: "joint" |
+    "separate" (module docstring); ``chunk_size``: samples per forward/backward chunk inside
+    ``update`` (None = the whole batch). Exact KFAC costs C backward passes per chunk, MC KFAC
+    ``mc_samples``, EF one.
+
+    The factors are data: they are computed at the likelihood's current Lambda without a graph.
+    To tune a Gaussian noise, fit with ``sigma_noise=1`` and pass ``scale=1/sigma^2`` to
+    :meth:`posterior` (laplace-torch's ``_H_factor``).
+    """
+
+    structure: ClassVar[str] = "kron"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        subset: SubsetLike = "all",
+        *,
+        ef: bool = False,
+        mc_samples: int = 0,
+        kfac_approx: KFACApprox = "expand",
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        kron_bias: KronBias = "joint",
+        **kw: Any,
+    ) -> None:
+        if kw:
+            raise TypeError(f"KronGGN: unexpected keyword argument(s) {sorted(kw)}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(ef, bool):
+            raise TypeError(f"ef: expected a bool, got {type(ef).__name__}")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size: expected a positive integer or None, got {chunk_size!r}")
+        if kfac_approx not in ("expand", "reduce"):
+            raise ValueError(f"kfac_approx: expected 'expand' or 'reduce', got {kfac_approx!r}")
+        if kron_bias not in ("joint", "separate"):
+            raise ValueError(f"kron_bias: expected 'joint' or 'separate', got {kron_bias!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+            raise ValueError(f"mc_samples: expected an int >= 0, got {mc_samples!r}")
+        if ef and mc_samples:
+            raise ValueError(
+                "ef=True uses the observed targets; it cannot be combined with mc_samples > 0"
+            )
+        self.likelihood = get_likelihood(likelihood)
+        self.subset = subset = resolve_subset(model, subset)
+        self.ef = ef
+        self.chunk_size = chunk_size
+        self.mc_samples = mc_samples
+        self.kfac_approx: KFACApprox = kfac_approx
+        self.kron_bias: KronBias = kron_bias
+        self.generator = generator
+        self.num_data = 0
+        self._layers = _build_layers(model, subset)
+        self._offsets = _subset_offsets(subset)
+        ref = next(iter(subset.params(model).values()))
+        dd = {"dtype": ref.dtype, "device": ref.device}
+        self._a = {ly.path: torch.zeros(ly.a_dim, ly.a_dim, **dd) for ly in self._layers}
+        self._b = {
+            ly.path: torch.zeros(ly.out_features, ly.out_features, **dd) for ly in self._layers
+        }
+        # Sample counts in float64: N * T can pass float32's exact-integer range.
+        self._m = {
+            ly.path: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
+        }
+        self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+
+    # -- accumulation
+    def _output_vectors(self, f: Tensor, y: Tensor) -> Tensor:
+        """``(K, N, C)`` vectors whose backprop gives the B-factor samples (see module doc)."""
+        if self.ef:
+            return self.likelihood.residual(f, y).unsqueeze(0)
+        if self.mc_samples:
+            # All S draws in one call: f repeated S times, sample-major.
+            f_rep = f.repeat(self.mc_samples, 1)
+            r = self.likelihood.residual(f_rep, self.likelihood.sample(f_rep, self.generator))
+            return r.reshape(self.mc_samples, *f.shape) * self.mc_samples**-0.5
+        return self.likelihood.hessian_sqrt(f).permute(2, 0, 1)  # columns of L_n
+
+    def update(self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None) -> None:
+        """Add the factors of one batch ``x (N, ...)``, ``y`` (sums over the batch), in chunks
+        of ``chunk_size`` samples if one was given (that bounds the activation memory).
+        ``offset (N, C)``, if given, is added to the outputs where Lambda (or the residual) is
+        evaluated: the curvature of the network linearised here, at f + offset."""
+        check_eval_mode(model)
+        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+            raise TypeError("x, y: expected tensors")
+        if x.shape[0] == 0:
+            raise ValueError("x: got an empty batch")
+        if y.shape[0] != x.shape[0]:
+            raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
+        modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
+        offset = check_offset(offset, x.shape[0])
+        step = self.chunk_size or x.shape[0]
+        for start in range(0, x.shape[0], step):
+            sl = slice(start, start + step)
+            self._update_chunk(model, modules, x[sl], y[sl], None if offset is None else offset[sl])
+        self._eig_cache.clear()
+
+    def _update_chunk(
+        self,
+        model: nn.Module,
+        modules: dict[str, nn.Module],
+        x: Tensor,
+        y: Tensor,
+        offset: Tensor | None,
+    ) -> None:
+        captured: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in modules}
+
+        def make_hook(path: str):
+            def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+                captured[path].append((inputs[0].detach(), output))
+
+            return hook
+
+        handles = [m.register_forward_hook(make_hook(p)) for p, m in modules.items()]
+        try:
+            with torch.enable_grad():
+                f = model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        for path, calls in captured.items():
+            if len(calls) != 1:
+                raise ValueError(
+                    f"kron: module {_display(path)} ({type(modules[path]).__name__}) was called "
+                    f"{len(calls)} times in one forward pass; KFAC needs exactly one call per "
+                    "layer (use structure='full', 'diag' or 'lowrank' for shared modules)"
+                )
+        if not isinstance(f, Tensor) or f.ndim != 2:
+            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+            raise ValueError(f"kron: the model must return outputs f of shape (N, C), got {shape}")
+        outs = [captured[ly.path][0][1] for ly in self._layers]
+        for ly, o in zip(self._layers, outs, strict=True):
+            if not o.requires_grad:
+                raise ValueError(
+                    f"kron: the output of module {_display(ly.path)} does not require grad; "
+                    "are its parameters frozen or is the model run under torch.no_grad()?"
+                )
+
+        with torch.no_grad():
+            at = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
+            vecs = self._output_vectors(at, y)
+            num = vecs.shape[0]
+            for k in range(num):
+                # One backward pass per output vector keeps memory at one batch of
+                # pre-activation gradients (a vmap'd pass would hold all K at once).
+                grads = torch.autograd.grad(
+                    f,
+                    outs,
+                    grad_outputs=vecs[k],
+                    retain_graph=k < num - 1,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                for ly, g in zip(self._layers, grads, strict=True):
+                    g = _layer_output_grads(modules[ly.path], g)
+                    self._b[ly.path] += _gram(g, self.kfac_approx, "sum")
+            for ly in self._layers:
+                a = _layer_inputs(modules[ly.path], captured[ly.path][0][0])
+                a = _augment(a, ly.weight is not None, ly.bias is not None)
+                self._a[ly.path] += _gram(a, self.kfac_approx, "mean")
+                per_point = a.shape[1] if self.kfac_approx == "expand" else 1
+                self._m[ly.path] += a.shape[0] * per_point
+        self.num_data += int(f.shape[0])
+
+    # -- factors
+    def kron_factors(self) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """``{module path: (A, B, M)}``: the summed factors and normaliser, G ~= B kron A / M.
+
+        ``A`` is over the layer's block input: ``[a, 1]`` (weight and bias in the subset),
+        ``a`` (weight only) or ``[1]`` (bias only). The tensors are the live accumulators:
+        do not modify them in place."""
+        return {
+            ly.path: (self._a[ly.path], self._b[ly.path], self._m[ly.path]) for ly in self._layers
+        }
+
+    def _eigh(self, path: str, which: str) -> tuple[Tensor, Tensor]:
+        key = (path, which)
+        if key not in self._eig_cache:
+            if which == "B":
+                mat = self._b[path]
+            elif which == "A":
+                mat = self._a[path]
+            elif which == "A_weight":
+                mat = self._a[path][:-1, :-1]
+            else:  # "A_bias"
+                mat = self._a[path][-1:, -1:]
+            self._eig_cache[key] = kron_block_eigh(mat)
+        return self._eig_cache[key]
+
+    def _block_specs(self) -> list[tuple[_Layer, str, list[str]]]:
+        """``(layer, which A, parameter names)`` for each Kronecker block, in layer order."""
+        specs = []
+        for ly in self._layers:
+            if ly.weight and ly.bias and self.kron_bias == "separate":
+                specs.append((ly, "A_weight", [ly.weight]))
+                specs.append((ly, "A_bias", [ly.bias]))
+            else:
+                specs.append((ly, "A", [n for n in (ly.weight, ly.bias) if n]))
+        return specs
+
+    def _block_index(self, ly: _Layer, names: list[str]) -> Tensor:
+        """Subset positions of the block's ``(out, d)`` matrix entries."""
+        cols = []
+        rows = torch.arange(ly.out_features).unsqueeze(-1)
+        for name in names:
+            off = self._offsets[name]
+            if name == ly.weight:
+                cols.append(off + rows * ly.in_features + torch.arange(ly.in_features))
+            else:
+                cols.append(off + rows)
+        return torch.cat(cols, dim=-1).to(self._b[ly.path].device)
+
+    def _tensor_priors(self, prior: Tensor) -> dict[str, Tensor] | Tensor:
+        """The prior as one scalar, or one scalar per parameter tensor of the subset."""
+        names = self.subset.names
+        if prior.numel() == 1:
+            return prior.reshape(())
+        if prior.ndim == 1 and prior.numel() == len(names):
+            return dict(zip(names, prior.unbind(0), strict=True))
+        if prior.ndim == 1 and prior.numel() == self.subset.num_params:
+            out = {}
+            for name, vals in zip(names, prior.split(list(self.subset.numels)), strict=True):
+                first = vals[0].detach()
+                if ((vals.detach() - first).abs() > 1e-6 * first.abs()).any():
+                    raise ValueError(
+                        "kron supports scalar or per-layer prior precision: the per-parameter "
+                        f"prior precision is not constant over parameter {name!r}; pass one "
+                        "value per parameter tensor, or use structure='diag' or 'full' for an "
+                        "arbitrary diagonal prior"
+                    )
+                # Only the sum of the tied entries' gradients is meaningful; the mean keeps
+                # them tied under a gradient step.
+                out[name] = vals.mean()
+            return out
+        expand_prior(prior, self.subset)  # raises the standard shape error
+        raise ValueError(f"prior_precision: unsupported shape {tuple(prior.shape)}")
+
+    def posterior(
+        self, prior_precision: Tensor | float, scale: Tensor | float = 1.0
+    ) -> KronPosteriorPrecision:
+        """``A = scale * G + diag(prior)``, the prior added to the Kronecker eigenvalues
+        (differentiable wrt ``prior_precision`` and ``scale``).
+
+        ``prior_precision``: a scalar, one value per parameter tensor of the subset (weight
+        and bias may differ, also within a joint block), or (P,) values that are constant
+        within each parameter tensor.
+        """
+        ref = self._b[self._layers[0].path]
+        # Python floats go straight to the factors' dtype (as_tensor would round them to
+        # float32 first); tensors are cast differentiably.
+        prior = check_prior(_as_tensor(prior_precision, ref))
+        scale_t = _as_tensor(scale, ref)
+        if scale_t.numel() != 1 or not torch.isfinite(scale_t).all() or (scale_t < 0).any():
+            raise ValueError(f"scale: expected a finite scalar >= 0, got {scale}")
+        scale_t = scale_t.reshape(())
+        priors = self._tensor_priors(prior)
+        blocks = []
+        for ly, which, names in self._block_specs():
+            lam_b, q_b = self._eigh(ly.path, "B")
+            lam_a, q_a = self._eigh(ly.path, which)
+            m = self._m[ly.path].clamp_min(1.0).to(lam_a.dtype)
+            shift = None
+            if isinstance(priors, Tensor):
+                delta = priors
+            else:
+                delta = priors[names[0]]
+                if len(names) == 2:  # joint weight + bias: the bias gets a rank-one shift
+                    shift = priors[names[1]] - delta
+            eig = scale_t * torch.outer(lam_b, lam_a / m) + delta
+            blocks.append(_Block(self._block_index(ly, names), q_b, q_a, eig, shift))
+        return KronPosteriorPrecision(blocks, self.subset.num_params)
+
+    # -- serialisation
+    def state_dict(self) -> dict[str, Tensor]:
+        """Factors ``A.<path>``, ``B.<path>``, normalisers ``M.<path>`` and ``num_data``."""
+        state: dict[str, Tensor] = {"num_data": torch.tensor(self.num_data)}
+        for ly in self._layers:
+            state[f"A.{ly.path}"] = self._a[ly.path].clone()
+            state[f"B.{ly.path}"] = self._b[ly.path].clone()
+            state[f"M.{ly.path}"] = self._m[ly.path].clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            raise ValueError(
+                f"state: expected keys {sorted(expected)}, got {sorted(state)} (was it saved "
+                "from a KronGGN over the same subset?)"
+            )
+        for ly in self._layers:
+            for prefix, store in (("A", self._a), ("B", self._b), ("M", self._m)):
+                value = state[f"{prefix}.{ly.path}"]
+                if value.shape != store[ly.path].shape:
+                    raise ValueError(
+                        f"state: {prefix}.{ly.path} has shape {tuple(value.shape)}, expected "
+                        f"{tuple(store[ly.path].shape)}"
+                    )
+                store[ly.path] = value.to(store[ly.path]).clone()
+        self.num_data = int(state["num_data"])
+        self._eig_cache.clear()

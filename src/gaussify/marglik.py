@@ -1,0 +1,158 @@
+"""Online marginal-likelihood training: learn weights and hyperparameters together.
+
+Immer et al. (2021, "Scalable marginal likelihood estimation for model selection in deep
+learning", Alg. 1): gradient steps on the weights under the current prior precision delta (and
+noise sigma for regression) alternate, every ``marglik_frequency`` epochs after a burn-in, with
+``n_hypersteps`` gradient steps on log delta (and log sigma) that increase the Laplace-GGN log
+evidence of the current network (evidence.py, thesis eq. 3.18). The network with the best
+evidence is kept, which makes the evidence a model-selection criterion computed from training
+data alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.batches import Batches, as_batches, num_examples
+from gaussify.curvature.subset import select_parameters
+from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.training import log_prior
+from gaussify.weight_space.laplace import Laplace, Structure
+
+__all__ = ["MarglikHistory", "marglik_training"]
+
+
+@dataclass
+class MarglikHistory:
+    """Per-epoch negative log joint per datum (``loss``) and, at each hyperparameter update,
+    the epoch, log evidence, prior precision and noise."""
+
+    loss: list[float] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    log_marglik: list[float] = field(default_factory=list)
+    prior_precision: list[Tensor] = field(default_factory=list)
+    sigma_noise: list[float] = field(default_factory=list)
+
+
+def marglik_training(
+    model: nn.Module,
+    data: Batches,
+    likelihood: str | Likelihood = "classification",
+    *,
+    structure: Structure = "kron",
+    subset: str | list[str] = "all",
+    prior_structure: Literal["scalar", "layer"] = "layer",
+    prior_precision: float = 1.0,
+    sigma_noise: float = 1.0,
+    epochs: int = 100,
+    lr: float = 1e-3,
+    lr_hyp: float = 0.1,
+    burnin: int = 10,
+    marglik_frequency: int = 5,
+    n_hypersteps: int = 50,
+    batch_size: int = 128,
+    seed: int | None = None,
+    progress: bool = False,
+    **laplace_options: Any,
+) -> tuple[nn.Module, Laplace, MarglikHistory]:
+    """Train ``model`` and its prior precision (and regression noise) by the Laplace evidence.
+
+    Returns the model restored to the epoch with the best log evidence, the Laplace posterior
+    fitted there with the learned hyperparameters, and the history.
+    """
+    if epochs <= 0 or marglik_frequency <= 0 or n_hypersteps <= 0:
+        raise ValueError("epochs, marglik_frequency, n_hypersteps: must be positive integers")
+    if burnin < 0 or burnin >= epochs:
+        raise ValueError(f"burnin: must be in [0, epochs), got {burnin}")
+    if prior_structure not in ("scalar", "layer"):
+        raise ValueError(f"prior_structure: expected 'scalar' or 'layer', got {prior_structure!r}")
+    lik = get_likelihood(likelihood, sigma_noise=sigma_noise)
+    regression = lik.task == "regression"
+    generator = None
+    if seed is not None:
+        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+    batches = as_batches(data, batch_size=batch_size, shuffle=True, generator=generator)
+    fit_batches = as_batches(data, batch_size=max(batch_size, 256))
+    n_data = num_examples(batches)
+    dtype = next(model.parameters()).dtype
+    all_names = select_parameters(model, "all").names
+    # the posterior's per-tensor priors are those of its subset's tensors
+    in_subset = [all_names.index(n) for n in select_parameters(model, subset).names]
+    n_prior = 1 if prior_structure == "scalar" else len(all_names)
+    log_delta = torch.full((n_prior,), float(prior_precision), dtype=dtype).log().requires_grad_()
+    log_sigma = torch.tensor(float(sigma_noise), dtype=dtype).log().requires_grad_(regression)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    hyper_opt = torch.optim.Adam([log_delta, log_sigma] if regression else [log_delta], lr=lr_hyp)
+    history = MarglikHistory()
+    best: tuple[float, dict[str, Tensor], Laplace] | None = None
+    epoch_iter: Any = range(1, epochs + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        epoch_iter = tqdm(epoch_iter, desc="marglik training", unit="epoch")
+    for epoch in epoch_iter:
+        model.train()
+        delta = _prior(log_delta, prior_structure)
+        delta_subset = _prior(log_delta, prior_structure, in_subset).detach()
+        sigma = log_sigma.detach().exp()
+        batch_lik = get_likelihood("regression", sigma_noise=sigma) if regression else lik
+        total = 0.0
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            nll = -batch_lik.log_prob(model(x), y).mean()
+            loss = nll - log_prior(model, delta) / n_data
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"marglik_training: loss became {loss.item()}")
+            loss.backward()
+            opt.step()
+            total += loss.item() * x.shape[0]
+        history.loss.append(total / n_data)
+        if epoch <= burnin or epoch % marglik_frequency != 0:
+            continue
+        model.eval()
+        la = Laplace(
+            model,
+            batch_lik,
+            structure,
+            subset,
+            prior_precision=delta_subset,
+            sigma_noise=sigma,
+            **laplace_options,
+        ).fit(fit_batches)
+        for _ in range(n_hypersteps):
+            hyper_opt.zero_grad()
+            neg = -la.log_marginal_likelihood(
+                _prior(log_delta, prior_structure, in_subset), log_sigma.exp()
+            )
+            neg.backward()
+            hyper_opt.step()
+        with torch.no_grad():
+            la.prior_precision = _prior(log_delta, prior_structure, in_subset).detach()
+            la.sigma_noise = log_sigma.detach().exp()
+            value = float(la.log_marginal_likelihood())
+        history.epochs.append(epoch)
+        history.log_marglik.append(value)
+        history.prior_precision.append(log_delta.detach().exp().clone())
+        history.sigma_noise.append(float(log_sigma.detach().exp()))
+        if best is None or value > best[0]:
+            best = (value, copy.deepcopy(model.state_dict()), la)
+    if best is None:
+        raise ValueError("epochs: no hyperparameter update happened; lower burnin or frequency")
+    model.load_state_dict(best[1])
+    model.eval()
+    return model, best[2], history
+
+
+def _prior(log_delta: Tensor, prior_structure: str, index: list[int] | None = None) -> Tensor:
+    """The prior precision as ``Laplace`` takes it: a scalar, or one value per parameter tensor
+    (those at ``index`` when the posterior covers a subset)."""
+    delta = log_delta.exp()
+    if prior_structure == "scalar":
+        return delta.squeeze(0)
+    return delta if index is None else delta[index]

@@ -1,0 +1,463 @@
+"""Weight-space Laplace-GGN posterior (Immer thesis Sec. 3.4; Immer et al. 2021).
+
+q(theta) = N(mu, A^-1) with A = G / T + P0: G the GGN sum_n J_n^T Lambda_n J_n (or the
+empirical Fisher) at the expansion point theta* in one of the curvature structures (full,
+diag, kron, lowrank), P0 the prior precision (scalar, per parameter tensor, or per parameter),
+T a temperature. Predictions push the Gaussian through the linearised network (GLM
+predictive, thesis eq. 3.15-3.16) or sample networks (NN predictive, eq. 3.14). The class only
+holds state; the math lives in curvature/, predictive.py and evidence.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from gaussify.batches import Batches, as_batches
+from gaussify.curvature import make_curvature
+from gaussify.curvature.jacobian import jacobians, jvp_with_outputs, vjp
+from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.evidence import gaussian_log_likelihood, laplace_log_evidence
+from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.predictive import (
+    LinkName,
+    Predictive,
+    predictive_from_gaussian,
+    predictive_from_samples,
+)
+
+__all__ = ["Laplace"]
+
+Structure = Literal["full", "diag", "kron", "lowrank"]
+Granularity = Literal["scalar", "layer", "diag"]
+STRUCTURES = ("full", "diag", "kron", "lowrank")
+
+
+class Laplace:
+    """Laplace-GGN posterior over the weights of ``model`` (or a subset of them).
+
+    ``likelihood``: "classification", "regression", "binary" or a likelihood object.
+    ``structure``: "full" | "diag" | "kron" | "lowrank" (curvature structure of G).
+    ``subset``: "all", "last_layer" or a list of parameter/module names.
+    ``prior_precision``: scalar, one per parameter tensor, or one per parameter.
+    ``correction``: include the non-MAP correction of thesis Thm 3.3 in the evidence.
+    Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)
+    go to the curvature structure.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood = "classification",
+        structure: Structure = "kron",
+        subset: str | list[str] = "all",
+        prior_precision: float | Tensor = 1.0,
+        sigma_noise: float | Tensor = 1.0,
+        temperature: float = 1.0,
+        *,
+        correction: bool = True,
+        generator: torch.Generator | None = None,
+        **curvature_options: Any,
+    ) -> None:
+        if structure not in STRUCTURES:
+            raise ValueError(f"structure: expected one of {STRUCTURES}, got {structure!r}")
+        if temperature <= 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self.model = model
+        self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
+        self.task = self.likelihood.task
+        self.structure = structure
+        self.subset: ParameterSubset = select_parameters(model, subset)
+        self.temperature = float(temperature)
+        self.correction = correction
+        self.generator = generator
+        self.curvature_options = curvature_options
+        dtype = next(model.parameters()).dtype
+        self.prior_precision = self._validate_prior(prior_precision, dtype)
+        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.mean = self.subset.flatten(self.subset.params(model)).clone()
+        self._curvature: Any = None
+        self._posterior: Any = None
+
+    # ------------------------------------------------------------------ fitting
+    def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        expand_prior(prior_t, self.subset)  # raises on a wrong granularity
+        return prior_t
+
+    def fit(self, data: Batches, *, batch_size: int = 256, progress: bool = False) -> Laplace:
+        """Accumulate the curvature, log-likelihood and its gradient over ``data`` at the
+        current weights theta* (the expansion point and posterior mean)."""
+        self.model.eval()
+        self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        self.mean = self.theta_star.clone()
+        self._sigma_fit = self.sigma_noise.clone()
+        self._accumulate(as_batches(data, batch_size=batch_size), None, progress)
+        return self
+
+    def _accumulate(self, batches: Any, shift: Tensor | None, progress: bool = False) -> None:
+        """One pass over the data: curvature, log-likelihood, its gradient and (regression)
+        squared errors of the network linearised at theta*, evaluated at theta* + ``shift``
+        (f_lin = f(x; theta*) + J shift; shift None means f_lin = f)."""
+        curvature = make_curvature(
+            self.structure,
+            self.model,
+            self.likelihood,
+            self.subset,
+            generator=self.generator,
+            **self.curvature_options,
+        )
+        log_lik = torch.zeros((), dtype=self.mean.dtype)
+        grad = torch.zeros_like(self.mean)
+        sse: Tensor | None = None
+        num_data = 0
+        iterator = batches
+        if progress:
+            from tqdm.auto import tqdm
+
+            iterator = tqdm(batches, desc=f"Laplace fit ({self.structure})", unit="batch")
+        for x, y in iterator:
+            f, offset = self._linearised_outputs(x, shift)
+            if offset is None:
+                curvature.update(self.model, x, y)
+            else:
+                curvature.update(self.model, x, y, offset=offset)
+            log_lik += self.likelihood.log_prob(f, y).sum()
+            grad += vjp(self.model, x, self.subset, self.likelihood.residual(f, y))
+            if self.task == "regression":
+                sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
+                sse = sq if sse is None else sse + sq
+            num_data += x.shape[0]
+        if num_data == 0:
+            raise ValueError("data: contains no examples")
+        self._curvature = curvature
+        self.num_data = num_data
+        self._log_lik = log_lik
+        self._grad = grad
+        self._sse = sse
+        self._posterior = None
+
+    def _linearised_outputs(self, x: Tensor, shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """f_lin(x) = f(x; theta*) + J(x) shift (N, C), and the offset J shift (None if no
+        shift)."""
+        if shift is None:
+            with torch.no_grad():
+                return self.model(x), None
+        f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
+        return f + offset, offset
+
+    def refine(
+        self,
+        data: Batches,
+        *,
+        max_iter: int = 50,
+        tol: float = 1e-12,
+        batch_size: int = 256,
+        progress: bool = False,
+    ) -> Laplace:
+        """GLM mean refinement (thesis eq. 3.12; Immer et al. 2021, "refine").
+
+        Maximise the log joint of the network linearised at theta*,
+        sum_n log p(y_n | f(x_n; theta*) + J_n (theta - theta*)) - 1/2 theta^T P0 theta,
+        by Newton steps with the structured posterior precision (damped by halving when the
+        log joint would decrease; stopped when the Newton decrement b^T A^-1 b / 2 <= ``tol``,
+        after ``max_iter`` steps, or when no step increases the log joint; with an approximate
+        structure such as kron or diag the steps are quasi-Newton and converge linearly),
+        then recompute the posterior there: the GGN with
+        Lambda evaluated at the linearised outputs. The linearisation point stays theta*; the
+        posterior mean becomes the GLM mode mu. For a Gaussian likelihood one step is exact.
+        """
+        self._require_fit()
+        batches = as_batches(data, batch_size=batch_size)
+        shift = self.mean - self.theta_star
+        prior_vec = expand_prior(self.prior_precision, self.subset).to(self.mean.dtype)
+
+        def log_joint(step: Tensor) -> Tensor:
+            total = torch.zeros((), dtype=self.mean.dtype)
+            for x, y in batches:
+                total += self.likelihood.log_prob(self._linearised_outputs(x, step)[0], y).sum()
+            theta = self.theta_star + step
+            return total - 0.5 * (prior_vec * theta.square()).sum()
+
+        current = log_joint(shift)
+        for _ in range(max_iter):
+            theta = self.theta_star + shift
+            b = self._grad - prior_vec * theta  # gradient of the GLM log joint at theta
+            direction = self.posterior.solve(b)
+            # Newton decrement: the predicted gain of the step; stop when it is negligible
+            if 0.5 * float((b * direction).sum()) <= tol:
+                break
+            step = 1.0
+            while True:
+                candidate = shift + step * direction
+                value = log_joint(candidate)
+                if value >= current or step < 1e-4:
+                    break
+                step /= 2
+            if value < current:
+                break
+            shift, current = candidate, value
+            self._accumulate(batches, shift, progress)
+        self.mean = self.theta_star + shift
+        return self
+
+    def _require_fit(self) -> None:
+        if self._curvature is None:
+            raise RuntimeError("Laplace: call fit(data) before using the posterior")
+
+    # ------------------------------------------------------------------ posterior
+    def _scale(self, sigma_noise: Tensor) -> Tensor:
+        """Multiplier of the fitted G: 1/T, times sigma_fit^2 / sigma^2 for regression (the
+        GGN of a Gaussian likelihood is proportional to 1/sigma^2)."""
+        if self.task != "regression":
+            return torch.as_tensor(1.0 / self.temperature, dtype=self.mean.dtype)
+        ratio = self._sigma_fit.square() / sigma_noise.square()
+        if ratio.ndim > 0 and not torch.allclose(ratio, ratio.reshape(-1)[0].expand_as(ratio)):
+            raise ValueError(
+                "sigma_noise: per-output noise can only change by a common factor after fit"
+            )
+        return ratio.reshape(-1)[0] / self.temperature
+
+    def posterior_at(self, prior_precision: Tensor, sigma_noise: Tensor) -> Any:
+        """The structured posterior precision A = scale * G + P0 for given hyperparameters."""
+        self._require_fit()
+        return self._curvature.posterior(prior_precision, scale=self._scale(sigma_noise))
+
+    @property
+    def posterior(self) -> Any:
+        """The structured posterior precision (logdet, solve, sample, functional_cov, ...)."""
+        if self._posterior is None:
+            self._posterior = self.posterior_at(self.prior_precision, self.sigma_noise)
+        return self._posterior
+
+    @property
+    def posterior_precision(self) -> Tensor:
+        """Dense posterior precision (P, P)."""
+        return self.posterior.precision_dense()
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """Dense posterior covariance (P, P)."""
+        return self.posterior.covariance_dense()
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """Marginal posterior variances (P,)."""
+        return self.posterior.covariance_diag()
+
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Weight samples from q(theta), (S, P) in the subset's flattening order."""
+        return self.mean + self.posterior.sample(num_samples, generator=generator)
+
+    # ------------------------------------------------------------------ evidence
+    def log_marginal_likelihood(
+        self,
+        prior_precision: Tensor | float | None = None,
+        sigma_noise: Tensor | float | None = None,
+    ) -> Tensor:
+        """Laplace log evidence (thesis eq. 3.17-3.18, see evidence.py), differentiable in the
+        hyperparameters; defaults to the current ones."""
+        self._require_fit()
+        dtype = self.mean.dtype
+        prior = (
+            self.prior_precision
+            if prior_precision is None
+            else torch.as_tensor(prior_precision, dtype=dtype)
+        )
+        sigma = (
+            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
+        )
+        post = self.posterior_at(prior, sigma)
+        scale = self._scale(sigma)
+        if self.task == "regression":
+            assert self._sse is not None
+            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
+        else:
+            log_lik = self._log_lik / self.temperature
+        # The gradient of the tempered log-likelihood scales like the GGN: (sigma_fit/sigma)^2 / T.
+        grad = self._grad * scale
+        value = laplace_log_evidence(
+            log_lik,
+            self.mean,
+            expand_prior(prior, self.subset).to(dtype),
+            post.logdet(),
+            post.solve,
+            grad if self.correction else None,
+        )
+        if not torch.isfinite(value):
+            raise FloatingPointError(
+                f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
+            )
+        return value
+
+    def optimize_prior(
+        self,
+        data: Batches | None = None,
+        *,
+        method: Literal["gradient", "grid"] = "gradient",
+        granularity: Granularity = "scalar",
+        tune_noise: bool | None = None,
+        n_steps: int = 100,
+        lr: float = 0.1,
+        grid: Tensor | None = None,
+    ) -> Laplace:
+        """Type-II maximum likelihood of the prior precision (and, for regression, the noise).
+
+        ``method="gradient"``: Adam on log-hyperparameters for ``n_steps``; ``granularity`` is
+        "scalar", "layer" (one per parameter tensor) or "diag" (one per parameter).
+        ``method="grid"``: the best scalar prior on ``grid`` (default 10^-4 .. 10^4, 41 points).
+        ``data`` is fitted first when the posterior is not fitted yet.
+        """
+        if data is not None and self._curvature is None:
+            self.fit(data)
+        self._require_fit()
+        if tune_noise is None:
+            tune_noise = self.task == "regression" and self.sigma_noise.ndim == 0
+        if tune_noise and self.task != "regression":
+            raise ValueError("tune_noise: only a regression likelihood has noise to tune")
+        dtype = self.mean.dtype
+        if method == "grid":
+            values = torch.logspace(-4, 4, 41, dtype=dtype) if grid is None else grid.to(dtype)
+            with torch.no_grad():
+                scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
+            self.prior_precision = values[int(scores.argmax())].clone()
+            self._posterior = None
+            return self
+        if method != "gradient":
+            raise ValueError(f"method: expected 'gradient' or 'grid', got {method!r}")
+        sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
+        if granularity not in sizes:
+            raise ValueError(f"granularity: expected one of {sorted(sizes)}, got {granularity!r}")
+        init = expand_prior(self.prior_precision, self.subset)
+        if granularity == "scalar":
+            start = init.mean().reshape(1)
+        elif granularity == "layer":
+            start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.numels))])
+        else:
+            start = init.clone()
+        log_prior = start.log().clone().requires_grad_(True)
+        log_sigma = self.sigma_noise.log().clone().requires_grad_(tune_noise)
+        params = [log_prior] + ([log_sigma] if tune_noise else [])
+        opt = torch.optim.Adam(params, lr=lr)
+        for _ in range(n_steps):
+            opt.zero_grad()
+            prior = log_prior.exp()
+            loss = -self.log_marginal_likelihood(
+                prior.squeeze(0) if granularity == "scalar" else prior, log_sigma.exp()
+            )
+            loss.backward()
+            opt.step()
+        self.prior_precision = log_prior.detach().exp()
+        if granularity == "scalar":
+            self.prior_precision = self.prior_precision.squeeze(0)
+        if tune_noise:
+            self.sigma_noise = log_sigma.detach().exp()
+            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
+        self._posterior = None
+        return self
+
+    optimize_prior_precision = optimize_prior
+
+    # ------------------------------------------------------------------ prediction
+    def _f_star(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.model(x)
+
+    def predict(
+        self,
+        x: Tensor,
+        method: Literal["glm", "nn"] = "glm",
+        link: LinkName = "probit",
+        *,
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+        chunk_size: int = 256,
+    ) -> Predictive:
+        """Predictive at inputs ``x (N, ...)``.
+
+        ``method="glm"``: N(f(x; theta*) + J (mu - theta*), J Sigma J^T), with the link
+        approximation ``link`` for classification; ``method="nn"``: ``num_samples`` networks
+        with weights drawn from q(theta), sharing weight samples across inputs.
+        """
+        self._require_fit()
+        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        if method == "nn":
+            return predictive_from_samples(
+                self._nn_samples(x, num_samples, generator), self.task, noise_var=noise_var
+            )
+        if method != "glm":
+            raise ValueError(f"method: expected 'glm' or 'nn', got {method!r}")
+        means, covs = [], []
+        shift = self.mean - self.theta_star
+        for xs in x.split(chunk_size):
+            jac = jacobians(self.model, xs, self.subset)
+            means.append(self._f_star(xs) + jac @ shift)
+            covs.append(self.posterior.functional_cov(jac))
+        return predictive_from_gaussian(
+            torch.cat(means),
+            torch.cat(covs),
+            self.task,
+            link=link,
+            noise_var=noise_var,
+            num_samples=num_samples,
+            generator=generator,
+        )
+
+    def _nn_samples(self, x: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
+        """Network outputs under sampled weights, (S, N, C)."""
+        thetas = self.subset.unflatten(self.sample(num_samples, generator))
+
+        def run(theta: dict[str, Tensor]) -> Tensor:
+            return functional_call(self.model, theta, (x,), strict=False)
+
+        with torch.no_grad():
+            return vmap(run)(thetas)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to restore the fitted posterior (tensors and plain values, so
+        ``torch.load(..., weights_only=True)`` can read it)."""
+        self._require_fit()
+        state: dict[str, Any] = {
+            "structure": self.structure,
+            "subset": list(self.subset.names),
+            "mean": self.mean,
+            "theta_star": self.theta_star,
+            "prior_precision": self.prior_precision,
+            "sigma_noise": self.sigma_noise,
+            "sigma_fit": self._sigma_fit,
+            "temperature": self.temperature,
+            "num_data": self.num_data,
+            "log_lik": self._log_lik,
+            "grad": self._grad,
+            "curvature": self._curvature.state_dict(),
+        }
+        if self._sse is not None:
+            state["sse"] = self._sse
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` into a Laplace over the same model."""
+        if state["structure"] != self.structure or list(state["subset"]) != list(self.subset.names):
+            raise ValueError(
+                "state: was saved for structure "
+                f"{state['structure']!r} over {len(state['subset'])} parameter tensors; this "
+                f"posterior is {self.structure!r} over {len(self.subset.names)}"
+            )
+        curvature = make_curvature(
+            self.structure, self.model, self.likelihood, self.subset, **self.curvature_options
+        )
+        curvature.load_state_dict(state["curvature"])
+        self._curvature = curvature
+        self.mean, self.theta_star = state["mean"], state["theta_star"]
+        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
+        self._sigma_fit = state["sigma_fit"]
+        self.temperature, self.num_data = float(state["temperature"]), int(state["num_data"])
+        self._log_lik, self._grad = state["log_lik"], state["grad"]
+        self._sse = state.get("sse")
+        if self.task == "regression":
+            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
+        self._posterior = None

@@ -28,13 +28,20 @@ __all__ = [
     "Bernoulli",
     "Categorical",
     "Gaussian",
+    "HeteroscedasticGaussian",
     "Likelihood",
     "LikelihoodName",
     "get_likelihood",
 ]
 
 LikelihoodName = Literal[
-    "regression", "gaussian", "classification", "categorical", "binary", "bernoulli"
+    "regression",
+    "gaussian",
+    "classification",
+    "categorical",
+    "binary",
+    "bernoulli",
+    "heteroscedastic",
 ]
 
 
@@ -261,6 +268,67 @@ class Bernoulli:
         return torch.bernoulli(self.inverse_link(f), generator=generator)
 
 
+class HeteroscedasticGaussian:
+    """Gaussian with input-dependent noise: the network outputs f = [mu, s] (N, 2C) with
+    mean mu (N, C) and log variance s = log sigma^2 (N, C); y (N, C).
+
+    The negative Hessian of log p in (mu, s) depends on y and is not positive semi-definite,
+    so ``hessian`` returns its expectation under p(y | f), the Fisher information
+    Lambda = diag(1 / sigma^2, 1/2) (a Fisher-Gauss-Newton middle factor, as the GGN uses for
+    any non-canonical parameterisation). ``residual`` is the exact gradient.
+    """
+
+    task = "heteroscedastic"
+
+    @staticmethod
+    def _split(f: Tensor) -> tuple[Tensor, Tensor]:
+        f = _check_f(f)
+        if f.shape[1] % 2:
+            raise ValueError(
+                f"f: heteroscedastic outputs are [mean, log variance] with an even number of "
+                f"columns, got {f.shape[1]}"
+            )
+        c = f.shape[1] // 2
+        return f[:, :c], f[:, c:]
+
+    def _targets(self, f: Tensor, y: Tensor) -> Tensor:
+        mean, _ = self._split(f)
+        return _as_output_matrix(mean, y, "regression")
+
+    def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
+        mean, log_var = self._split(f)
+        y = self._targets(f, y)
+        return (
+            -0.5 * ((y - mean).square() * torch.exp(-log_var) + log_var + math.log(2 * math.pi))
+        ).sum(-1)
+
+    def residual(self, f: Tensor, y: Tensor) -> Tensor:
+        """[(y - mu) / sigma^2, ((y - mu)^2 / sigma^2 - 1) / 2], shape (N, 2C)."""
+        mean, log_var = self._split(f)
+        y = self._targets(f, y)
+        z2 = (y - mean).square() * torch.exp(-log_var)
+        return torch.cat([(y - mean) * torch.exp(-log_var), 0.5 * (z2 - 1)], dim=-1)
+
+    def hessian_diag(self, f: Tensor) -> Tensor:
+        _, log_var = self._split(f)
+        return torch.cat([torch.exp(-log_var), torch.full_like(log_var, 0.5)], dim=-1)
+
+    def hessian(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.hessian_diag(f))
+
+    def hessian_sqrt(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(self.hessian_diag(f).sqrt())
+
+    def inverse_link(self, f: Tensor) -> Tensor:
+        """The predictive mean mu (N, C)."""
+        return self._split(f)[0]
+
+    def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        mean, log_var = self._split(f)
+        eps = torch.randn(mean.shape, generator=generator, dtype=f.dtype, device=f.device)
+        return mean + torch.exp(0.5 * log_var) * eps
+
+
 _REGISTRY: dict[str, type] = {
     "regression": Gaussian,
     "gaussian": Gaussian,
@@ -268,6 +336,7 @@ _REGISTRY: dict[str, type] = {
     "categorical": Categorical,
     "binary": Bernoulli,
     "bernoulli": Bernoulli,
+    "heteroscedastic": HeteroscedasticGaussian,
 }
 
 

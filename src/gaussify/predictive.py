@@ -145,15 +145,37 @@ class Predictive:
         return self.f_samples.var(0, unbiased=False)
 
     @property
-    def mean(self) -> Tensor:
-        """Regression: predictive mean of y. Classification: mean of the latent f. (N, C)."""
+    def _latent_mean(self) -> Tensor:
         if self.f_samples is not None and self.f_cov is None:
             return self.f_samples.mean(0)
         return self.f_mean
 
     @property
+    def _half(self) -> int:
+        return self.f_mean.shape[-1] // 2
+
+    def _expected_noise(self) -> Tensor:
+        """Heteroscedastic tasks: E[sigma^2] = E[exp(s)] over the latent log variance s,
+        exp(m_s + v_s / 2) for a Gaussian s, the sample mean for samples. (N, C)."""
+        c = self._half
+        if self.f_samples is not None and self.f_cov is None:
+            return self.f_samples[..., c:].exp().mean(0)
+        return torch.exp(self.f_mean[:, c:] + 0.5 * self.f_var[:, c:])
+
+    @property
+    def mean(self) -> Tensor:
+        """Regression: predictive mean of y. Classification: mean of the latent f. (N, C)
+        (for heteroscedastic regression, the mean half of the outputs)."""
+        if self.task == "heteroscedastic":
+            return self._latent_mean[:, : self._half]
+        return self._latent_mean
+
+    @property
     def var(self) -> Tensor:
-        """Predictive variance (N, C): function variance, plus noise for regression."""
+        """Predictive variance (N, C): function variance, plus noise for regression (the
+        expected input-dependent noise for heteroscedastic regression)."""
+        if self.task == "heteroscedastic":
+            return self.f_var[:, : self._half] + self._expected_noise()
         if self.task == "regression" and self.noise_var is not None:
             return self.f_var + self.noise_var
         return self.f_var
@@ -163,6 +185,9 @@ class Predictive:
         """Predictive covariance (N, C, C) when available (plus noise for regression)."""
         if self.f_cov is None:
             return None
+        if self.task == "heteroscedastic":
+            c = self._half
+            return self.f_cov[:, :c, :c] + torch.diag_embed(self._expected_noise())
         if self.task == "regression" and self.noise_var is not None:
             return self.f_cov + torch.diag_embed(self.noise_var.expand_as(self.f_mean))
         return self.f_cov
@@ -183,11 +208,11 @@ class Predictive:
     def log_prob(self, y: Tensor) -> Tensor:
         """Predictive log density of targets, (N,): Gaussian for regression (diagonal), the
         log of ``probs`` at the labels for classification and binary tasks."""
-        if self.task == "regression":
-            y = y.reshape(self.f_mean.shape).to(self.f_mean)
-            var = self.var
+        if self.task in ("regression", "heteroscedastic"):
+            mean, var = self.mean, self.var
+            y = y.reshape(mean.shape).to(mean)
             return (
-                -0.5 * ((y - self.mean).square() / var + var.log() + math.log(2 * math.pi))
+                -0.5 * ((y - mean).square() / var + var.log() + math.log(2 * math.pi))
             ).sum(-1)
         assert self.probs is not None
         if self.task == "classification":
@@ -201,12 +226,16 @@ class Predictive:
     ) -> dict[str, Tensor]:
         """Split the predictive variance into aleatoric and epistemic parts (N, C).
 
-        Regression: aleatoric = sigma^2, epistemic = Var[f]. Classification / binary (Kwon
+        Regression: aleatoric = sigma^2 (heteroscedastic: E[sigma^2(x)]), epistemic = Var[f]
+        of the mean. Classification / binary (Kwon
         et al. 2020; Immer et al. 2021, App. B eq. B11): with p = inverse link of sampled f,
         aleatoric = E[p (1 - p)], epistemic = E[(p - E p)^2]; their sum is E p (1 - E p).
         Also returns ``entropy`` (total predictive entropy), ``expected_entropy`` and
         ``mutual_information`` (N,) for classification.
         """
+        if self.task == "heteroscedastic":
+            noise, epistemic = self._expected_noise(), self.f_var[:, : self._half]
+            return {"aleatoric": noise, "epistemic": epistemic, "total": noise + epistemic}
         if self.task == "regression":
             noise = (
                 torch.zeros_like(self.f_mean)
@@ -257,7 +286,7 @@ def predictive_from_gaussian(
         )
     if not torch.isfinite(f_cov).all():
         raise ValueError("f_cov: contains NaN or inf (the posterior covariance is not valid)")
-    if task == "regression":
+    if task in ("regression", "heteroscedastic"):
         return Predictive(task, f_mean, f_cov=f_cov, noise_var=noise_var)
     if link not in LINKS:
         raise ValueError(f"link: expected one of {sorted(LINKS)}, got {link!r}")
@@ -274,7 +303,8 @@ def predictive_from_samples(
     eq. 3.14): probs are the average of the inverse link over samples."""
     if f_samples.ndim != 3:
         raise ValueError(f"f_samples: expected shape (S, N, C), got {tuple(f_samples.shape)}")
-    probs = None if task == "regression" else _inverse_link(f_samples, task).mean(0)
+    regression = task in ("regression", "heteroscedastic")
+    probs = None if regression else _inverse_link(f_samples, task).mean(0)
     return Predictive(
         task, f_samples.mean(0), f_samples=f_samples, noise_var=noise_var, probs=probs
     )

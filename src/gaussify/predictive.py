@@ -126,7 +126,10 @@ class Predictive:
     Attributes: ``task``; ``f_mean (N, C)`` and ``f_cov (N, C, C)`` of the latent function
     (``f_cov`` is None for sample-based predictives); ``f_samples (S, N, C)`` when the
     predictive came from samples; ``noise_var (C,)`` for regression; ``probs (N, C)`` for
-    classification (softmax) and binary (per-output sigmoid) tasks.
+    classification (softmax) and binary (per-output sigmoid) tasks. Optionally ``noise_cov
+    (C, C)``, a full regression noise covariance (correlated outputs, e.g. VBLL regression,
+    Harrison et al. 2024 eq. 17): when set, ``noise_var`` must be its diagonal, ``cov`` adds
+    the full matrix and ``log_prob`` is the joint multivariate Gaussian density.
     """
 
     task: str
@@ -135,6 +138,7 @@ class Predictive:
     f_samples: Tensor | None = None
     noise_var: Tensor | None = None
     probs: Tensor | None = None
+    noise_cov: Tensor | None = None
 
     @property
     def f_var(self) -> Tensor:
@@ -188,6 +192,8 @@ class Predictive:
         if self.task == "heteroscedastic":
             c = self._half
             return self.f_cov[:, :c, :c] + torch.diag_embed(self._expected_noise())
+        if self.task == "regression" and self.noise_cov is not None:
+            return self.f_cov + self.noise_cov
         if self.task == "regression" and self.noise_var is not None:
             return self.f_cov + torch.diag_embed(self.noise_var.expand_as(self.f_mean))
         return self.f_cov
@@ -206,14 +212,19 @@ class Predictive:
         return self.f_samples[:num_samples]
 
     def log_prob(self, y: Tensor) -> Tensor:
-        """Predictive log density of targets, (N,): Gaussian for regression (diagonal), the
-        log of ``probs`` at the labels for classification and binary tasks."""
+        """Predictive log density of targets, (N,): Gaussian for regression (diagonal; the
+        joint density with ``cov`` when ``noise_cov`` is set), the log of ``probs`` at the
+        labels for classification and binary tasks."""
+        if self.task == "regression" and self.noise_cov is not None and self.f_cov is not None:
+            cov = self.cov
+            assert cov is not None
+            y = y.reshape(self.f_mean.shape).to(self.f_mean)
+            dist = torch.distributions.MultivariateNormal(self.f_mean, covariance_matrix=cov)
+            return dist.log_prob(y)
         if self.task in ("regression", "heteroscedastic"):
             mean, var = self.mean, self.var
             y = y.reshape(mean.shape).to(mean)
-            return (
-                -0.5 * ((y - mean).square() / var + var.log() + math.log(2 * math.pi))
-            ).sum(-1)
+            return (-0.5 * ((y - mean).square() / var + var.log() + math.log(2 * math.pi))).sum(-1)
         assert self.probs is not None
         if self.task == "classification":
             return self.probs.clamp_min(1e-12).log().gather(-1, y.long().unsqueeze(-1)).squeeze(-1)

@@ -3,7 +3,7 @@
 The public API is re-exported here; nothing else lives in this module.
 """
 
-from gaussify import data, evidence, likelihoods, metrics
+from gaussify import approx_likelihoods, data, evidence, likelihoods, metrics
 from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood
 from gaussify.marglik import marglik_training
 from gaussify.predictive import Predictive
@@ -16,6 +16,7 @@ __all__ = [
     "Gaussian",
     "Laplace",
     "Predictive",
+    "approx_likelihoods",
     "data",
     "evidence",
     "get_likelihood",

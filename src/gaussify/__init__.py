@@ -3,7 +3,7 @@
 The public API is re-exported here; nothing else lives in this module.
 """
 
-from gaussify import approx_likelihoods, data, evidence, likelihoods, metrics
+from gaussify import approx_likelihoods, data, evidence, last_layer, likelihoods, metrics
 from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood
 from gaussify.marglik import marglik_training
 from gaussify.predictive import Predictive
@@ -20,6 +20,7 @@ __all__ = [
     "data",
     "evidence",
     "get_likelihood",
+    "last_layer",
     "likelihoods",
     "marglik_training",
     "metrics",

@@ -1,0 +1,258 @@
+"""What every VBLL head shares: argument checks, the training objective and the result object.
+
+A head is an ``nn.Module`` whose ``forward(phi)`` returns a :class:`VBLLOutput`; the output
+carries the predictive and ``train_loss(y)``, so replacing an ``nn.Linear`` head is two lines:
+
+    out = head(phi)               # was: logits = linear(phi)
+    loss = out.train_loss(y)      # was: loss = F.cross_entropy(logits, y)
+
+The objective is the negative of eq. (61) of Harrison et al. (2024) per example,
+
+    train_loss = -( mean_t bound_t + regularization_weight * (log p(Sigma) - KL(q || p)) ),
+
+where ``bound_t`` is the head's per-example term (eq. 12/13/14/16) and
+``regularization_weight`` is ``1/N`` for the ELBO (eq. 11); other values temper the KL
+(Table 6 reports multipliers of ``1/N``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.predictive import Predictive
+
+__all__ = [
+    "VBLLHead",
+    "VBLLOutput",
+    "check_labels",
+    "check_positive",
+    "check_regression_targets",
+]
+
+
+def check_positive(value: float, name: str) -> float:
+    """``value`` as a float if it is a finite number > 0, else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: must be > 0, got {value}")
+    return float(value)
+
+
+def _check_size(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def check_labels(y: Any, num: int, num_classes: int) -> Tensor:
+    """Integer class labels ``y (num,)`` in ``[0, num_classes)``, else ``ValueError``."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"y: expected a torch.Tensor of labels, got {type(y).__name__}")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"y: expected integer class labels, got dtype {y.dtype}")
+    if y.shape != (num,):
+        raise ValueError(f"y: expected shape ({num},) to match phi, got {tuple(y.shape)}")
+    if num and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise ValueError(
+            f"y: labels must be in [0, {num_classes}), got range [{int(y.min())}, {int(y.max())}]"
+        )
+    return y.long()
+
+
+def check_regression_targets(y: Any, num: int, out_features: int, like: Tensor) -> Tensor:
+    """Targets ``(num, out_features)`` (or ``(num,)`` for one output) as ``like``'s dtype."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"y: expected a torch.Tensor of targets, got {type(y).__name__}")
+    if y.dim() == 1 and out_features == 1:
+        y = y.unsqueeze(-1)
+    if y.shape != (num, out_features):
+        raise ValueError(
+            f"y: expected shape ({num}, {out_features}) to match phi and out_features, "
+            f"got {tuple(y.shape)}"
+        )
+    if not torch.isfinite(y).all():
+        raise ValueError("y: contains NaN or inf")
+    return y.to(like)
+
+
+class VBLLHead(nn.Module, ABC):
+    """Base class of the VBLL heads: ``forward(phi (N, in_features)) -> VBLLOutput``.
+
+    Subclasses implement the per-example bound, the KL, the noise log prior and the
+    predictive; everything user-facing (checks, loss, output object) lives here.
+    """
+
+    task: ClassVar[str]
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        regularization_weight: float,
+        prior_scale: float,
+    ) -> None:
+        super().__init__()
+        self.in_features = _check_size(in_features, "in_features")
+        self.out_features = _check_size(out_features, "out_features")
+        if (
+            isinstance(regularization_weight, bool)
+            or not isinstance(regularization_weight, (int, float))
+            or not math.isfinite(regularization_weight)
+            or regularization_weight < 0
+        ):
+            raise ValueError(
+                "regularization_weight: expected a number >= 0 (1 / N for the ELBO), "
+                f"got {regularization_weight!r}"
+            )
+        self.regularization_weight = float(regularization_weight)
+        self.prior_scale = check_positive(prior_scale, "prior_scale")
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def check_features(self, phi: Any) -> Tensor:
+        if not isinstance(phi, Tensor):
+            raise TypeError(f"phi: expected a torch.Tensor, got {type(phi).__name__}")
+        if phi.dim() != 2 or phi.shape[-1] != self.in_features:
+            raise ValueError(
+                f"phi: expected features of shape (N, {self.in_features}) "
+                f"(in_features={self.in_features}), got {tuple(phi.shape)}"
+            )
+        if not phi.is_floating_point():
+            raise ValueError(f"phi: expected a floating point tensor, got {phi.dtype}")
+        return phi
+
+    @abstractmethod
+    def check_targets(self, y: Any, num: int) -> Tensor:
+        """Validate targets for ``num`` examples; returns them in the head's layout."""
+
+    # ---- the pieces of the objective ------------------------------------------------------
+
+    @abstractmethod
+    def log_likelihood_bound(self, phi: Tensor, y: Tensor) -> Tensor:
+        """Per-example lower bound on E_q[log p(y | phi, xi)] (exact for Gaussian
+        regression heads), (N,). ``y`` already checked."""
+
+    @abstractmethod
+    def kl(self) -> Tensor:
+        """KL(q(xi) || p(xi)) of the last-layer variational posterior, a scalar."""
+
+    def log_prior(self) -> Tensor:
+        """Log prior of point-estimated quantities (the noise covariance); 0 if none."""
+        return torch.zeros((), dtype=self._dtype(), device=self._device())
+
+    def elbo_terms(self, phi: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """``{"bound": (N,), "kl": (), "log_prior": ()}`` for checked ``phi`` and raw ``y``;
+        the sum ``bound.sum() - kl`` is the (unnormalised) ELBO of eq. (11)."""
+        phi = self.check_features(phi)
+        y = self.check_targets(y, phi.shape[0])
+        return {
+            "bound": self.log_likelihood_bound(phi, y),
+            "kl": self.kl(),
+            "log_prior": self.log_prior(),
+        }
+
+    def train_loss(self, phi: Tensor, y: Tensor) -> Tensor:
+        """Negative regularised bound per example (eq. 61 divided by N), a scalar."""
+        terms = self.elbo_terms(phi, y)
+        reg = self.regularization_weight * (terms["log_prior"] - terms["kl"])
+        return -(terms["bound"].mean() + reg)
+
+    # ---- prediction -----------------------------------------------------------------------
+
+    @abstractmethod
+    def predictive(self, phi: Tensor) -> Any:
+        """The posterior predictive at ``phi``: a :class:`~gaussify.Predictive`, or a torch
+        distribution where a Predictive cannot express it (Student-t)."""
+
+    def to_predictive(self, phi: Tensor) -> Predictive:
+        """The predictive as a :class:`~gaussify.Predictive` (moment-matched where the exact
+        predictive is not Gaussian)."""
+        pred = self.predictive(phi)
+        assert isinstance(pred, Predictive)
+        return pred
+
+    @abstractmethod
+    def log_prob(self, phi: Tensor, y: Tensor) -> Tensor:
+        """Exact (or stated) predictive log density of targets, (N,)."""
+
+    @abstractmethod
+    def ood_score(self, phi: Tensor) -> Tensor:
+        """Out-of-distribution score (N,), higher = more unusual (for ``metrics.auroc``)."""
+
+    def forward(self, phi: Tensor) -> VBLLOutput:
+        return VBLLOutput(self, self.check_features(phi))
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"regularization_weight={self.regularization_weight:.3g}"
+        )
+
+
+class VBLLOutput:
+    """The result of ``head(phi)``: the predictive and the training loss at these features.
+
+    ``predictive`` (computed on first access), ``train_loss(y)`` (``train_loss_fn`` is the
+    ``vbll`` package's name for it), ``val_loss(y)`` (negative mean predictive log density,
+    ``val_loss_fn``), ``log_prob(y)`` (N,), ``to_predictive()`` (always a
+    :class:`~gaussify.Predictive`), ``ood_score()`` (N,), ``elbo_terms(y)``.
+    """
+
+    def __init__(self, head: VBLLHead, phi: Tensor) -> None:
+        self.head = head
+        self.features = phi
+        self._predictive: Any = None
+
+    @property
+    def predictive(self) -> Any:
+        if self._predictive is None:
+            self._predictive = self.head.predictive(self.features)
+        return self._predictive
+
+    def train_loss(self, y: Tensor) -> Tensor:
+        return self.head.train_loss(self.features, y)
+
+    def val_loss(self, y: Tensor) -> Tensor:
+        return -self.log_prob(y).mean()
+
+    def log_prob(self, y: Tensor) -> Tensor:
+        y = self.head.check_targets(y, self.features.shape[0])
+        return self.head.log_prob(self.features, y)
+
+    def to_predictive(self) -> Predictive:
+        return self.head.to_predictive(self.features)
+
+    def ood_score(self) -> Tensor:
+        return self.head.ood_score(self.features)
+
+    def elbo_terms(self, y: Tensor) -> dict[str, Tensor]:
+        return self.head.elbo_terms(self.features, y)
+
+    @property
+    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`train_loss`."""
+        return self.train_loss
+
+    @property
+    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`val_loss`."""
+        return self.val_loss
+
+    @property
+    def ood_scores(self) -> Tensor:
+        return self.ood_score()

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.jacobian import (
+    DEFAULT_CHUNK_ELEMENTS,
+    MIN_CHUNK_ELEMENTS,
     SubsetLike,
     auto_chunk_size,
     check_eval_mode,
@@ -49,11 +51,19 @@ from gaussify.curvature.lastlayer import (
     lastlayer_products,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior
-from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.likelihoods import (
+    Bernoulli,
+    Categorical,
+    Gaussian,
+    HeteroscedasticGaussian,
+    Likelihood,
+    get_likelihood,
+)
 
 __all__ = [
     "Curvature",
     "GaussNewtonCurvature",
+    "LastLayerPrecision",
     "PosteriorPrecision",
     "Structure",
     "as_hyperparameter",
@@ -62,6 +72,7 @@ __all__ = [
     "draw_labels",
     "middle_diag",
     "middle_factor",
+    "summed_hessian",
 ]
 
 Structure = Literal["full", "diag", "lowrank", "kron"]
@@ -103,6 +114,22 @@ class PosteriorPrecision(Protocol):
 
     def covariance_diag(self) -> Tensor:
         """diag(Sigma), shape (P,)."""
+        ...
+
+
+@runtime_checkable
+class LastLayerPrecision(Protocol):
+    """A posterior precision that also answers the GLM predictive of a final ``nn.Linear``
+    subset from its input features alone (J_n = I_C ⊗ [phi_n, 1]^T, thesis eqs. 2.22 and
+    3.15), never forming the (N, C, P) Jacobian. Every built-in structure implements it; a
+    user structure without it gets the generic Jacobian path."""
+
+    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """phi (N, D) -> J Sigma J^T (N, C, C) for the output layer ``layer``."""
+        ...
+
+    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """phi (N, D) -> diag(J Sigma J^T) (N, C)."""
         ...
 
 
@@ -172,6 +199,34 @@ def middle_diag(
     if ef or draws is not None:
         return middle_factor(likelihood, f, y, ef=ef, draws=draws).square().sum(-1)
     return likelihood.hessian_diag(f)
+
+
+#: Likelihoods whose Lambda_n is diagonal (``hessian`` is ``diag_embed(hessian_diag)``).
+_DIAGONAL_HESSIAN = (Gaussian, Bernoulli, HeteroscedasticGaussian)
+
+
+def summed_hessian(likelihood: Likelihood, f: Tensor, out: Tensor | None = None) -> Tensor:
+    """sum_n Lambda_n, shape (C, C), without an (N, C, C) intermediate where the likelihood's
+    structure allows: softmax diag(sum_n p_n) - P^T P (Lambda_n = diag(p_n) - p_n p_n^T),
+    diag(sum_n hessian_diag) for the built-in diagonal ones; any other likelihood sums
+    ``hessian`` over chunks of samples (each at most the Jacobian chunk budget). With ``out``
+    (C, C) the sum is added to it in place (no C x C temporary).
+
+    This is the B factor of an output layer's KFAC block (its pre-activation gradients are
+    the columns of L_n themselves, so sum_n L_n L_n^T needs no backward pass)."""
+    n, c = f.shape
+    if out is None:
+        out = f.new_zeros(c, c)
+    if type(likelihood) is Categorical:
+        p = likelihood.inverse_link(f).to(out.dtype)
+        out.diagonal().add_(p.sum(0))
+        return out.addmm_(p.T, p, alpha=-1)
+    if type(likelihood) in _DIAGONAL_HESSIAN:
+        out.diagonal().add_(likelihood.hessian_diag(f).sum(0).to(out.dtype))
+        return out
+    for sl in chunk_slices(n, auto_chunk_size(n, 4 * c * c)):
+        out += likelihood.hessian(f[sl]).sum(0).to(out.dtype)
+    return out
 
 
 def as_hyperparameter(value: Tensor | float, name: str, like: Tensor) -> Tensor:
@@ -303,6 +358,25 @@ class GaussNewtonCurvature:
     def num_params(self) -> int:
         return self.subset.num_params
 
+    def _storage_elements(self) -> int:
+        """Elements of the accumulated curvature (P for a diagonal; overridden by structures
+        that store more)."""
+        return self.num_params
+
+    def _chunk_budget(self) -> int:
+        """Elements one chunk's intermediates may hold: half the curvature's own storage, so
+        that a fit's peak memory stays within about twice that storage, clamped to
+        [MIN_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS] (tiny curvatures do not loop over single
+        samples; huge ones keep the fixed budget)."""
+        half = self._storage_elements() // 2
+        return min(DEFAULT_CHUNK_ELEMENTS, max(MIN_CHUNK_ELEMENTS, half))
+
+    def _chunk(self, num_samples: int, per_sample: int) -> int:
+        """Samples per chunk: ``chunk_size`` if given, else what fits :meth:`_chunk_budget`."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return max(1, min(num_samples, self._chunk_budget() // max(per_sample, 1)))
+
     # -- batch helpers -------------------------------------------------------------------
 
     def _check_batch(self, model: nn.Module, x: Tensor, y: Tensor) -> None:
@@ -335,9 +409,19 @@ class GaussNewtonCurvature:
         return f, None if phi is None else phi.detach()
 
     def _draw(self, f: Tensor) -> Tensor | None:
+        """Sampled labels (S, N, ...) for the Monte Carlo GGN, drawn in chunks of rows whose
+        temporaries (S copies of the outputs, the softmax, ...) hold at most
+        MIN_CHUNK_ELEMENTS numbers; the chunking depends only on S and C, so every structure
+        draws the same labels from the same generator."""
         if not self.mc_samples:
             return None
-        return draw_labels(self.likelihood, f, self.mc_samples, self.generator)
+        n, c = f.shape
+        rows = max(1, MIN_CHUNK_ELEMENTS // (self.mc_samples * c))
+        parts = [
+            draw_labels(self.likelihood, f[sl], self.mc_samples, self.generator)
+            for sl in chunk_slices(n, rows)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _factor(self, f: Tensor, y: Tensor, draws: Tensor | None) -> Tensor:
         return middle_factor(self.likelihood, f, y, ef=self.ef, draws=draws)
@@ -363,7 +447,7 @@ class GaussNewtonCurvature:
         off the last-layer feature path)."""
         n = f.shape[0]
         k = self._num_factors(f.shape[1])
-        chunk = auto_chunk_size(n, k * self.num_params, self.chunk_size)
+        chunk = self._chunk(n, k * self.num_params)
         for sl in chunk_slices(n, chunk):
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
             if phi is not None and self._layer is not None:
@@ -376,20 +460,35 @@ class GaussNewtonCurvature:
                 )
 
     def _diag_batch(
-        self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        offset: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """(diag of the batch's G (P,), f (N, C), phi (N, D) or None, draws or None).
 
         On the last-layer path from features alone; otherwise per-layer for plain linear
         layers and per-sample ``torch.func`` products for everything else
-        (:func:`gaussify.curvature.jacobian.squared_vjp_sum`).
+        (:func:`gaussify.curvature.jacobian.squared_vjp_sum`). With ``out`` (P,) the batch's
+        diagonal is added to it and ``out`` is returned (on the last-layer path in place,
+        without a P-sized temporary).
         """
         if self._layer is not None:
             f, phi = self._forward(model, x, offset)
             if phi is not None:
                 draws = self._draw(f)
-                middle = self._factor_diag(f, y, draws)
-                return lastlayer_diag(phi, middle, self._layer), f, phi, draws
+                # diag(M_n) in chunks: the likelihood's (B, C) temporaries (softmax, its
+                # square, ...) are what dominate a many-class batch, not the features.
+                # (about 8 of them for sampled labels: one-hot, softmax, residual, square)
+                for sl in chunk_slices(f.shape[0], self._chunk(f.shape[0], 8 * f.shape[1])):
+                    middle = self._factor_diag(
+                        f[sl], y[sl], None if draws is None else draws[:, sl]
+                    )
+                    out = lastlayer_diag(phi[sl], middle, self._layer, out=out)
+                assert out is not None
+                return out, f, phi, draws
         held: dict[str, Tensor | None] = {}
 
         def cotangents(f: Tensor) -> Tensor:
@@ -398,7 +497,9 @@ class GaussNewtonCurvature:
             held["draws"] = self._draw(f)
             return self._factor(f, y, held["draws"]).transpose(1, 2)
 
-        diag, f = squared_vjp_sum(model, x, self.subset, cotangents, self.chunk_size)
+        diag, f = squared_vjp_sum(
+            model, x, self.subset, cotangents, self.chunk_size, budget=self._chunk_budget(), out=out
+        )
         return diag, f if offset is None else f + offset.to(f.dtype), None, held["draws"]
 
     def _load_num_data(self, state: dict[str, Tensor]) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from gaussify.curvature.base import GaussNewtonCurvature, as_hyperparameter, check_offset
 from gaussify.curvature.jacobian import SubsetLike
+from gaussify.curvature.lastlayer import OutputLinear, lastlayer_jvp, lastlayer_num_outputs
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
 
@@ -59,6 +60,19 @@ class DiagonalPrecision:
     def functional_var(self, jac: Tensor) -> Tensor:
         return (self._jac(jac).square() / self.precision).sum(-1)
 
+    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """diag(J Sigma J^T) (N, C) from the output layer's features phi (N, D):
+        sum_d' phi~_{n,d'}^2 Sigma_{(c,d')}, i.e. (phi^2) Sigma_W^T + Sigma_b. O(N C D)."""
+        c = lastlayer_num_outputs(self.num_params, phi.shape[1], layer)
+        return lastlayer_jvp(
+            phi.to(self.precision.dtype).square(), self.precision.reciprocal(), c, layer
+        )
+
+    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """J Sigma J^T (N, C, C), diagonal in the outputs for a diagonal Sigma (the outputs
+        share no parameter of the last layer)."""
+        return torch.diag_embed(self.functional_var_lastlayer(phi, layer))
+
     def solve(self, v: Tensor) -> Tensor:
         return v.to(self.precision.dtype) / self.precision
 
@@ -91,8 +105,8 @@ class DiagGGN(GaussNewtonCurvature):
     def update(self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None) -> None:
         """Add the diagonal of the batch's GGN (or EF), with Lambda at f + ``offset``."""
         self._check_batch(model, x, y)
-        diag, _, _, _ = self._diag_batch(model, x, y, check_offset(offset, x.shape[0]))
-        self.ggn_diag += diag.to(self.dtype)
+        # Accumulated in place: no P-sized temporary on the last-layer path.
+        self._diag_batch(model, x, y, check_offset(offset, x.shape[0]), out=self.ggn_diag)
         self.num_data += x.shape[0]
 
     def posterior(

@@ -22,6 +22,7 @@ from gaussify.curvature.base import (
     cholesky_psd,
 )
 from gaussify.curvature.jacobian import SubsetLike
+from gaussify.curvature.lastlayer import OutputLinear, lastlayer_factor_cov
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
 
@@ -52,6 +53,7 @@ class CholeskyPrecision:
         self.precision = precision
         self.num_params = precision.shape[-1]
         self._chol: Tensor | None = None
+        self._inv_factor: Tensor | None = None
 
     @property
     def cholesky(self) -> Tensor:
@@ -85,6 +87,23 @@ class CholeskyPrecision:
 
     def functional_var(self, jac: Tensor) -> Tensor:
         return self._whiten(jac).square().sum(0)
+
+    def _covariance_factor(self) -> Tensor:
+        """L^{-T} (P, P), cached: Sigma = L^{-T} L^{-1} with rows in subset order."""
+        if self._inv_factor is None:
+            chol = self.cholesky
+            eye = torch.eye(self.num_params, dtype=chol.dtype, device=chol.device)
+            self._inv_factor = torch.linalg.solve_triangular(chol.mT, eye, upper=True)
+        return self._inv_factor
+
+    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """J Sigma J^T (N, C, C) from the output layer's features phi (N, D): (J L^{-T})
+        (J L^{-T})^T with J L^{-T} formed from phi and row blocks of L^{-T} (no Jacobian)."""
+        return lastlayer_factor_cov(phi, self._covariance_factor(), layer)
+
+    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """diag(J Sigma J^T) (N, C) from features phi (N, D)."""
+        return lastlayer_factor_cov(phi, self._covariance_factor(), layer, var_only=True)
 
     def solve(self, v: Tensor) -> Tensor:
         lead = v.shape[:-1]
@@ -140,6 +159,17 @@ class EigenPrecision:
         jv = _flat_jac(jac, self.num_params).to(self.eigenvectors.dtype) @ self.eigenvectors
         return (jv.square() / self.diag).sum(-1)
 
+    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """J Sigma J^T (N, C, C) from the output layer's features phi (N, D): (J V) diag(1/d)
+        (J V)^T with J V formed from phi and row blocks of V (no Jacobian)."""
+        return lastlayer_factor_cov(phi, self.eigenvectors, layer, self.diag.reciprocal())
+
+    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """diag(J Sigma J^T) (N, C) from features phi (N, D)."""
+        return lastlayer_factor_cov(
+            phi, self.eigenvectors, layer, self.diag.reciprocal(), var_only=True
+        )
+
     def solve(self, v: Tensor) -> Tensor:
         vecs = self.eigenvectors
         return ((v.to(vecs.dtype) @ vecs) / self.diag) @ vecs.T
@@ -180,6 +210,9 @@ class FullGGN(GaussNewtonCurvature):
         self.ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
         self.eig_cache = eig_cache
         self._eig: tuple[Tensor, Tensor] | None = None
+
+    def _storage_elements(self) -> int:
+        return self.num_params**2
 
     def update(self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None) -> None:
         """Add sum over the batch of J_n^T L_n L_n^T J_n, chunk by chunk (L_n at f_n +

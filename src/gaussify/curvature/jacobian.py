@@ -19,9 +19,10 @@ Speed: parameters of plain ``nn.Linear`` layers (the bulk of most networks) take
 route in :func:`per_sample_vjp` and :func:`squared_vjp_sum`: one forward pass with hooks and one
 batched (vmapped) backward pass over the K cotangents give each layer's inputs a and output
 gradients delta, and the per-sample products are delta ⊗ a (the identity KFAC and BackPACK use);
-the diagonal needs only (delta^2)^T (a^2). Each traced layer is verified against the batched
-parameter gradient, so a weight that is also used outside its module falls back to the generic
-``torch.func`` path, which every other parameter takes.
+the diagonal needs only (delta^2)^T (a^2). A traced layer must have run once and each of its
+parameters must enter the autograd graph of the outputs exactly once, so a weight that is also
+used outside its module falls back to the generic ``torch.func`` path, which every other
+parameter takes.
 
 Shapes: inputs ``x (N, ...)``, outputs ``f (N, C)``, parameters flattened in
 ``model.named_parameters()`` order of the subset, ``P = subset.num_params``.
@@ -44,6 +45,7 @@ from gaussify.curvature.subset import ParameterSubset, select_parameters
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
+    "MIN_CHUNK_ELEMENTS",
     "SubsetLike",
     "auto_chunk_size",
     "check_eval_mode",
@@ -63,6 +65,10 @@ SubsetLike = str | Sequence[str] | ParameterSubset
 #: Budget (in tensor elements) for one chunk of per-sample products, ``chunk * K * P``.
 #: 2**24 elements are 128 MiB in float64.
 DEFAULT_CHUNK_ELEMENTS = 2**24
+#: Smallest budget the structures use when they size chunks by their own storage (a curvature
+#: of a few thousand entries should not loop over single samples): 2**16 elements, 512 KiB in
+#: float64.
+MIN_CHUNK_ELEMENTS = 2**16
 
 
 def resolve_subset(model: nn.Module, subset: SubsetLike) -> ParameterSubset:
@@ -415,10 +421,10 @@ def _linear_traces(
 
     For a linear layer z_n = W a_n + b the per-sample gradient of u^T f_n is delta_n a_n^T
     (and delta_n for b), so per-sample products need only a and delta (the identity behind
-    BackPACK and KFAC). A layer is traced only if it ran exactly once on 2-D inputs and
-    sum_n delta_n a_n^T equals the batched parameter gradient for every k; that check fails
-    when the weight is also used elsewhere in the forward pass, and the layer then falls back
-    to the generic path.
+    BackPACK and KFAC). A layer is traced only if it ran exactly once on 2-D inputs and each of
+    its parameters in the subset has exactly one use in the autograd graph of f (then the
+    batched parameter gradient is sum_n delta_n a_n^T); a weight also used elsewhere in the
+    forward pass has two, and the layer then falls back to the generic path.
     """
     named = dict(model.named_parameters())
     captured: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in linears}
@@ -452,15 +458,17 @@ def _linear_traces(
     acts = [captured[m][0][0].detach() for m in usable]
     pnames = [(m, kind, f"{m}.{kind}" if m else kind) for m in usable for kind in linears[m]]
     params = [named[full] for _, _, full in pnames]
-    rtol = 1e-4 if f.dtype in (torch.float16, torch.bfloat16, torch.float32) else 1e-9
-    grads = _batched_output_grads(f, outs + params, u.to(f.dtype).transpose(0, 1))
-    deltas = grads[: len(outs)]
+    u = u.to(f.dtype)
+    uses = _graph_uses(f)  # before the backward pass frees the graph's buffers
+    deltas = _batched_output_grads(f, outs, u.transpose(0, 1))
+    # The route is exact when each traced parameter enters the graph of f once (in its
+    # module, which ran once): then d f / d W = sum_n delta_n a_n^T. Counting the parameter's
+    # uses in the autograd graph finds weights also used elsewhere without computing any
+    # parameter gradient (a numerical check against the batched gradient would hold K x P,
+    # or at least P, extra numbers, more than a diagonal curvature itself).
     ok = dict.fromkeys(usable, True)
-    for (m, kind, _), ref in zip(pnames, grads[len(outs) :], strict=True):
-        d, a = deltas[usable.index(m)], acts[usable.index(m)]
-        per_sum = torch.einsum("kbo,bi->koi", d, a) if kind == "weight" else d.sum(1)
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        if not torch.allclose(per_sum, ref, rtol=rtol, atol=rtol * max(scale, 1e-30)):
+    for (m, _, _), p in zip(pnames, params, strict=True):
+        if uses.get(id(p), 0) != 1:
             ok[m] = False
     traces = [
         _LinearTrace(
@@ -475,13 +483,42 @@ def _linear_traces(
     return f.detach(), u, traces
 
 
-def _batched_output_grads(f: Tensor, inputs: list[Tensor], grad_outputs: Tensor) -> list[Tensor]:
+def _graph_uses(f: Tensor) -> dict[int, int]:
+    """{id(leaf tensor): number of edges into its AccumulateGrad node} over the autograd
+    graph of ``f``: how many operations of the forward pass used each leaf (parameter)."""
+    counts: dict[int, int] = {}
+    if f.grad_fn is None:
+        return counts
+    seen = {f.grad_fn}
+    stack = [f.grad_fn]
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                counts[id(variable)] = counts.get(id(variable), 0) + 1
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return counts
+
+
+def _batched_output_grads(
+    f: Tensor, inputs: list[Tensor], grad_outputs: Tensor, retain_graph: bool = False
+) -> list[Tensor]:
     """Gradients of sum(grad_outputs[k] * f) with respect to ``inputs`` for every k, each
     stacked to (K, *input.shape): one vmapped backward pass (``is_grads_batched``), or K
     passes if some operation cannot be batched. Unused inputs get zeros."""
     try:
         grads = torch.autograd.grad(
-            f, inputs, grad_outputs=grad_outputs, allow_unused=True, is_grads_batched=True
+            f,
+            inputs,
+            grad_outputs=grad_outputs,
+            allow_unused=True,
+            is_grads_batched=True,
+            retain_graph=retain_graph,
         )
     except RuntimeError:
         per_k = [
@@ -514,32 +551,86 @@ def squared_vjp_sum(
     subset: SubsetLike,
     cotangents: Callable[[Tensor], Tensor],
     chunk_size: int | None = None,
+    *,
+    budget: int | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
     The diagonal of sum_n J_n^T U_n^T U_n J_n (the diagonal GGN, thesis eq. 2.24, for U_n the
     transposed factor of Lambda_n; the diagonal empirical Fisher for U_n = r_n^T). The
     cotangents depend on the outputs, so they are given as a function ``f (N, C) -> U (N, K, C)``
-    evaluated after the forward pass.
+    evaluated after the forward pass (once, on all N outputs).
 
     Parameters of plain ``nn.Linear`` layers take the per-layer route (:func:`_linear_traces`):
     the squared per-sample gradient of W summed over samples is (delta^2)^T (a^2), with no
     per-sample tensor, about K gradient passes in all. Every other parameter uses chunked
-    ``torch.func`` per-sample products.
+    ``torch.func`` per-sample products. ``budget`` (elements) bounds one chunk's layer
+    gradients delta (K x the layers' output sizes per sample) and inputs: when the batch
+    exceeds it, the outputs and cotangents are computed first by a forward pass without
+    gradients and the per-layer route runs over chunks of samples (``chunk_size``, if given,
+    also sets the chunks of both routes). With ``out`` (P,) the sums are added to it in place
+    (it is returned), so no P-sized temporaries are formed besides the check of the route.
     """
     subset = resolve_subset(model, subset)
     check_eval_mode(model)
+    linears = _hookable_linears(model, subset)
+    n = x.shape[0]
+    if out is None:
+        dtype = dict(model.named_parameters())[subset.names[0]].dtype
+        out = torch.zeros(subset.num_params, dtype=dtype, device=x.device)
+    elif out.shape != (subset.num_params,):
+        raise ValueError(f"out: expected shape ({subset.num_params},), got {tuple(out.shape)}")
+    if not linears or (budget is None and chunk_size is None):
+        f = _add_squared_sums(model, x, subset, linears, cotangents, chunk_size, out)
+    else:
+        f = model_outputs(model, x)
+        u = cotangents(f)
+        if u.ndim != 3 or u.shape[0] != n or u.shape[2] != f.shape[1]:
+            raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
+        modules = [model.get_submodule(m) for m in linears]
+        # delta (K x out), the saved activations and a^2 (about 2 x (in + out)) per sample
+        per_sample = sum((u.shape[1] + 2) * m.out_features + 2 * m.in_features for m in modules)
+        chunk = chunk_size or max(1, min(n, (budget or n * per_sample) // max(per_sample, 1)))
+        for sl in chunk_slices(n, chunk):
+            _add_squared_sums(model, x[sl], subset, linears, u[sl], chunk_size, out)
+    _check_finite(out, subset, model)
+    return out, f
+
+
+def _add_squared_sums(
+    model: nn.Module,
+    x: Tensor,
+    subset: ParameterSubset,
+    linears: dict[str, list[str]],
+    cotangents: Tensor | Callable[[Tensor], Tensor],
+    chunk_size: int | None,
+    out: Tensor,
+) -> Tensor:
+    """One pass of :func:`squared_vjp_sum` over ``x``, added into ``out`` (P,); returns f."""
     named = dict(model.named_parameters())
-    f, u, traces = _linear_traces(model, x, _hookable_linears(model, subset), cotangents)
-    sums: dict[str, Tensor] = {}
+    offsets = dict(zip(subset.names, _offsets(subset), strict=True))
+
+    def view(name: str) -> Tensor:
+        start, numel = offsets[name]
+        return out[start : start + numel].view(named[name].shape)
+
+    f, u, traces = _linear_traces(model, x, linears, cotangents)
+    done = set()
     for tr in traces:
-        d_sq = tr.deltas.square()
+        # sum_k delta_k^2 first (B, out): sum_{k,n} delta^2 a^2 = sum_n (sum_k delta^2) a^2,
+        # so no (K, B, out) square is formed.
+        d_sq = torch.zeros_like(tr.deltas[0])
+        for d in tr.deltas:
+            d_sq.addcmul_(d, d)
+        d_sq = d_sq.to(out.dtype)
         for kind, name in tr.params:
             if kind == "weight":
-                sums[name] = torch.einsum("kno,ni->oi", d_sq, tr.inputs.square())
+                view(name).addmm_(d_sq.T, tr.inputs.to(out.dtype).square())
             else:
-                sums[name] = d_sq.sum((0, 1))
-    rest = [n for n in subset.names if n not in sums]
+                view(name).add_(d_sq.sum(0))
+            done.add(name)
+    rest = [n for n in subset.names if n not in done]
     if rest:
         sub = ParameterSubset(names=tuple(rest), shapes=tuple(named[n].shape for n in rest))
         generic = _generic_per_sample_vjp(model, sub)
@@ -547,7 +638,6 @@ def squared_vjp_sum(
         total = torch.zeros(sub.num_params, dtype=f.dtype, device=f.device)
         for sl in chunk_slices(u.shape[0], chunk):
             total += generic(x[sl], u[sl].to(f.dtype)).square().sum((0, 1))
-        sums.update(sub.unflatten(total))
-    out = subset.flatten({n: sums[n].reshape(named[n].shape) for n in subset.names})
-    _check_finite(out, subset, model)
-    return out, f
+        for name, value in sub.unflatten(total).items():
+            view(name).add_(value.to(out.dtype))
+    return f

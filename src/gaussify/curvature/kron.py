@@ -66,8 +66,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gaussify.curvature.base import check_offset
+from gaussify.curvature.base import check_offset, summed_hessian
 from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.lastlayer import (
+    OutputLinear,
+    lastlayer_chunked,
+    lastlayer_features,
+    lastlayer_index,
+    lastlayer_num_outputs,
+)
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
 from gaussify.likelihoods import Likelihood, get_likelihood
 
@@ -130,14 +137,19 @@ def _augment(a: Tensor, use_weight: bool, use_bias: bool) -> Tensor:
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
-def _gram(x: Tensor, approx: KFACApprox, reduce_op: Literal["mean", "sum"]) -> Tensor:
+def _gram(
+    x: Tensor, approx: KFACApprox, reduce_op: Literal["mean", "sum"], out: Tensor | None = None
+) -> Tensor:
     """``sum x x^T`` over samples of ``x (N, T, k)``: over (n, t) for expand; for reduce over n
-    after averaging (inputs) or summing (output gradients) over t (Eschenhagen et al. 2023)."""
+    after averaging (inputs) or summing (output gradients) over t (Eschenhagen et al. 2023).
+    With ``out`` (k, k) the sum is added to it in place (no k x k temporary)."""
     if approx == "expand":
         x2 = x.reshape(-1, x.shape[-1])
     else:
         x2 = x.mean(1) if reduce_op == "mean" else x.sum(1)
-    return x2.mT @ x2
+    if out is None:
+        return x2.mT @ x2
+    return out.addmm_(x2.mT.to(out.dtype), x2.to(out.dtype))
 
 
 # ----------------------------------------------------------------------------- layer bookkeeping
@@ -405,6 +417,69 @@ class KronPosteriorPrecision:
                 out = out - ((jt * r1.ue).sum(-1).square() * r1.beta).sum(-1)
         return out
 
+    def _lastlayer_terms(self, phi: Tensor, layer: OutputLinear) -> list[tuple[Tensor, Tensor]]:
+        """``[(Q_B (C, C), s (N, C))]`` with ``J_n Sigma J_n^T = sum Q_B diag(s_n) Q_B^T`` on a
+        final ``nn.Linear`` subset, one term per distinct ``Q_B`` (two blocks of one layer,
+        as with ``kron_bias="separate"``, share it, so their ``s`` are summed).
+
+        A block over the ``(C, d)`` matrix ``m`` with block features ``f_n`` (columns of
+        ``[phi_n, 1]``) has ``J_n m = m f_n = Q_B X psi_n`` with ``X`` the eigenbasis
+        coordinates and ``psi_n = Q_A^T f_n``; the coordinates of different rows ``i`` are
+        uncorrelated (also with the bias rank-one term, which is per row), so
+        ``s_ni = sum_j psi_nj^2 / E_ij - beta_i (ue_i . psi_n)^2``: O(N (d^2 + C d)).
+        """
+        dim = phi.shape[1]
+        c = lastlayer_num_outputs(self.num_params, dim, layer)
+        device = self._perm.device
+        index = lastlayer_index(c, dim, layer, device=device)
+        width = index.shape[1]
+        row_of = torch.empty(self.num_params, dtype=torch.long, device=device)
+        col_of = torch.empty_like(row_of)
+        row_of[index.reshape(-1)] = torch.arange(c, device=device).repeat_interleave(width)
+        col_of[index.reshape(-1)] = torch.arange(width, device=device).repeat(c)
+        feats = lastlayer_features(phi, layer)
+        rows = torch.arange(c, device=device).unsqueeze(-1)
+        terms: dict[int, tuple[Tensor, Tensor]] = {}
+        for b, r1 in zip(self.blocks, self._r1, strict=True):
+            cols = col_of[b.index[0]]
+            if (
+                b.index.shape[0] != c
+                or not torch.equal(row_of[b.index], rows.expand_as(b.index))
+                or not torch.equal(col_of[b.index], cols.expand_as(b.index))
+            ):
+                raise ValueError(
+                    f"kron: the Kronecker blocks do not match the [W, b] layout of the output "
+                    f"layer {layer.name!r}; use functional_cov with Jacobians"
+                )
+            psi = feats[:, cols].to(b.q_in.dtype) @ b.q_in  # (N, d)
+            s = psi.square() @ b.eig.reciprocal().mT  # (N, C)
+            if r1 is not None:
+                s = s - r1.beta * (psi @ r1.ue.mT).square()
+            key = id(b.q_out)
+            terms[key] = (b.q_out, s if key not in terms else terms[key][1] + s)
+        return list(terms.values())
+
+    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """``J Sigma J^T`` ``(N, C, C)`` from the output layer's features ``phi (N, D)``:
+        ``Q_B diag(s_n) Q_B^T`` (see :meth:`_lastlayer_terms`), O(N (d^2 + C d + C^3)), with
+        no Jacobian and no ``(C d)``-sized intermediate per sample."""
+        terms = self._lastlayer_terms(phi, layer)
+        c = terms[0][0].shape[0]
+        svals = torch.stack([s for _, s in terms], dim=1)  # (N, T, C)
+
+        def block(sl_s: Tensor) -> Tensor:
+            out = 0
+            for t, (q, _) in enumerate(terms):
+                out = out + (q * sl_s[:, t, None, :]) @ q.mT
+            return out
+
+        return lastlayer_chunked(block, svals, 2 * c * c, (c, c))
+
+    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """Diagonal of :meth:`functional_cov_lastlayer`, ``(N, C)``: ``s_n (Q_B^2)^T``, O(N C^2)
+        beyond the features' O(N (d^2 + C d))."""
+        return sum(s @ q.square().mT for q, s in self._lastlayer_terms(phi, layer))
+
     def precision_dense(self) -> Tensor:
         """``A`` as a dense ``(P, P)`` matrix (small models / tests)."""
         return self._dense(covariance=False)
@@ -583,26 +658,39 @@ class KronGGN:
 
         with torch.no_grad():
             at = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
-            vecs = self._output_vectors(at, y)
-            num = vecs.shape[0]
+            # A layer whose output is the model output has pre-activation gradients equal to
+            # the output vectors themselves: its B is sum_k v_k^T v_k = sum_n L_n L_n^T, with
+            # no backward pass, and for the exact GGN sum_n Lambda_n without forming the
+            # (N, C, C) factor L (which is 1 GB for a 1000-class batch of 256 in float32).
+            final = [ly for ly, o in zip(self._layers, outs, strict=True) if o is f]
+            inner = [(ly, o) for ly, o in zip(self._layers, outs, strict=True) if o is not f]
+            exact = not self.ef and not self.mc_samples
+            vecs = self._output_vectors(at, y) if inner or not exact else None
+            for ly in final:
+                if vecs is None:
+                    summed_hessian(self.likelihood, at, out=self._b[ly.path])
+                else:
+                    _gram(vecs.transpose(0, 1), "expand", "sum", out=self._b[ly.path])
+            num = 0 if vecs is None or not inner else vecs.shape[0]
             for k in range(num):
+                assert vecs is not None
                 # One backward pass per output vector keeps memory at one batch of
                 # pre-activation gradients (a vmap'd pass would hold all K at once).
                 grads = torch.autograd.grad(
                     f,
-                    outs,
+                    [o for _, o in inner],
                     grad_outputs=vecs[k],
                     retain_graph=k < num - 1,
                     allow_unused=True,
                     materialize_grads=True,
                 )
-                for ly, g in zip(self._layers, grads, strict=True):
+                for (ly, _), g in zip(inner, grads, strict=True):
                     g = _layer_output_grads(modules[ly.path], g)
-                    self._b[ly.path] += _gram(g, self.kfac_approx, "sum")
+                    _gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
             for ly in self._layers:
                 a = _layer_inputs(modules[ly.path], captured[ly.path][0][0])
                 a = _augment(a, ly.weight is not None, ly.bias is not None)
-                self._a[ly.path] += _gram(a, self.kfac_approx, "mean")
+                _gram(a, self.kfac_approx, "mean", out=self._a[ly.path])
                 per_point = a.shape[1] if self.kfac_approx == "expand" else 1
                 self._m[ly.path] += a.shape[0] * per_point
         self.num_data += int(f.shape[0])

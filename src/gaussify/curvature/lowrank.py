@@ -39,7 +39,13 @@ from gaussify.curvature.jacobian import (
     jvp_with_outputs,
     vjp,
 )
-from gaussify.curvature.lastlayer import lastlayer_jvp, lastlayer_vjp
+from gaussify.curvature.lastlayer import (
+    OutputLinear,
+    lastlayer_factor_cov,
+    lastlayer_jvp,
+    lastlayer_num_outputs,
+    lastlayer_vjp,
+)
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
 
@@ -94,6 +100,7 @@ class LowRankPrecision:
         self._scaled = factor / diag.unsqueeze(-1)  # D^{-1} W
         eye = torch.eye(k, dtype=diag.dtype, device=diag.device)
         self._chol = cholesky_psd(eye + factor.T @ self._scaled, "low-rank capacitance matrix")
+        self._correction_factor: Tensor | None = None
 
     def logdet(self) -> Tensor:
         return self.diag.log().sum() + 2 * self._chol.diagonal().log().sum()
@@ -139,6 +146,29 @@ class LowRankPrecision:
     def functional_var(self, jac: Tensor) -> Tensor:
         jac = self._jac(jac)
         return (jac.square() / self.diag).sum(-1) - self._whitened(jac).square().sum(0)
+
+    def _correction(self) -> Tensor:
+        """S^T (P, k) with Sigma = D^{-1} - S^T S, S = L_K^{-1} W^T D^{-1} (cached)."""
+        if self._correction_factor is None:
+            s = torch.linalg.solve_triangular(self._chol, self._scaled.T, upper=False)
+            self._correction_factor = s.T.contiguous()
+        return self._correction_factor
+
+    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """diag(J Sigma J^T) (N, C) from the output layer's features phi (N, D): the diagonal
+        part (phi^2) D^{-1} minus ||J_n S^T||^2 row-wise. O(N C D k)."""
+        c = lastlayer_num_outputs(self.num_params, phi.shape[1], layer)
+        phi = phi.to(self.diag.dtype)
+        diag = lastlayer_jvp(phi.square(), self.diag.reciprocal(), c, layer)
+        return diag - lastlayer_factor_cov(phi, self._correction(), layer, var_only=True)
+
+    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
+        """J Sigma J^T (N, C, C) from features phi (N, D) by Woodbury: diag((phi^2) D^{-1})
+        minus (J S^T)(J S^T)^T with J S^T formed from phi (no Jacobian). O(N C D k + N C^2 k)."""
+        c = lastlayer_num_outputs(self.num_params, phi.shape[1], layer)
+        phi = phi.to(self.diag.dtype)
+        diag = lastlayer_jvp(phi.square(), self.diag.reciprocal(), c, layer)
+        return torch.diag_embed(diag) - lastlayer_factor_cov(phi, self._correction(), layer)
 
     def precision_dense(self) -> Tensor:
         return torch.diag(self.diag) + self.factor @ self.factor.T
@@ -219,8 +249,7 @@ class LowRankGGN(GaussNewtonCurvature):
         else:
             self._check_unchanged()
         if self.use_diag_remainder:
-            diag, f, phi, draws = self._diag_batch(model, x, y, offset)
-            self.ggn_diag += diag.to(self.dtype)
+            _, f, phi, draws = self._diag_batch(model, x, y, offset, out=self.ggn_diag)
         else:
             f, phi = self._forward(model, x, offset)
             draws = self._draw(f)
@@ -260,7 +289,7 @@ class LowRankGGN(GaussNewtonCurvature):
                 factor = self._factor(b.f[sl], b.y[sl], None if b.draws is None else b.draws[:, sl])
                 w = torch.einsum("nck,nk->nc", factor, torch.einsum("nck,nc->nk", factor, jv))
                 if b.phi is not None and self._layer is not None:
-                    out += lastlayer_vjp(b.phi[sl], w, self._layer)
+                    lastlayer_vjp(b.phi[sl], w, self._layer, out=out)
                 else:
                     assert b.x is not None
                     out += vjp(self._model, b.x[sl], self.subset, w)

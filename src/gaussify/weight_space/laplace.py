@@ -18,7 +18,20 @@ from torch.func import functional_call, vmap
 
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature import make_curvature
-from gaussify.curvature.jacobian import jacobians, jvp_with_outputs, vjp
+from gaussify.curvature.base import LastLayerPrecision
+from gaussify.curvature.jacobian import (
+    MIN_CHUNK_ELEMENTS,
+    chunk_slices,
+    jacobians,
+    jvp_with_outputs,
+    vjp,
+)
+from gaussify.curvature.lastlayer import (
+    find_output_linear,
+    forward_with_features,
+    lastlayer_jvp,
+    lastlayer_vjp,
+)
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.evidence import gaussian_log_likelihood, laplace_log_evidence
 from gaussify.likelihoods import Likelihood, get_likelihood
@@ -46,7 +59,15 @@ class Laplace:
     ``correction``: include the non-MAP correction of thesis Thm 3.3 in the evidence.
     Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)
     go to the curvature structure.
+
+    When the subset is exactly the final ``nn.Linear`` whose output is the model output, the
+    gradient, linearised outputs and GLM predictive use its input features phi alone
+    (J_n = I_C ⊗ [phi_n, 1]^T, :mod:`gaussify.curvature.lastlayer`), so no (N, C, P) Jacobian
+    or per-parameter intermediate is formed and thousands of classes fit.
     """
+
+    #: Use the last-layer feature path when it applies (a switch for tests and comparisons).
+    _feature_path: bool = True
 
     def __init__(
         self,
@@ -79,6 +100,7 @@ class Laplace:
         self.prior_precision = self._validate_prior(prior_precision, dtype)
         self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
         self.mean = self.subset.flatten(self.subset.params(model)).clone()
+        self._output_layer = find_output_linear(model, self.subset)
         self._curvature: Any = None
         self._posterior: Any = None
 
@@ -120,13 +142,23 @@ class Laplace:
 
             iterator = tqdm(batches, desc=f"Laplace fit ({self.structure})", unit="batch")
         for x, y in iterator:
-            f, offset = self._linearised_outputs(x, shift)
+            f, offset, phi = self._linearised_outputs(x, shift)
             if offset is None:
                 curvature.update(self.model, x, y)
             else:
                 curvature.update(self.model, x, y, offset=offset)
-            log_lik += self.likelihood.log_prob(f, y).sum()
-            grad += vjp(self.model, x, self.subset, self.likelihood.residual(f, y))
+            if phi is not None and self._output_layer is not None:
+                # Feature path: J^T r from phi, added in place; in chunks, so that the
+                # likelihood's (B, C) temporaries (softmax, one-hot, residual) of a many-class
+                # batch stay about as large as the parameter vector.
+                budget = max(self.subset.num_params, MIN_CHUNK_ELEMENTS)
+                for sl in chunk_slices(x.shape[0], max(1, budget // (8 * f.shape[1]))):
+                    log_lik += self.likelihood.log_prob(f[sl], y[sl]).sum()
+                    residual = self.likelihood.residual(f[sl], y[sl])
+                    lastlayer_vjp(phi[sl], residual, self._output_layer, out=grad)
+            else:
+                log_lik += self.likelihood.log_prob(f, y).sum()
+                grad += vjp(self.model, x, self.subset, self.likelihood.residual(f, y))
             if self.task == "regression":
                 sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
                 sse = sq if sse is None else sse + sq
@@ -140,14 +172,27 @@ class Laplace:
         self._sse = sse
         self._posterior = None
 
-    def _linearised_outputs(self, x: Tensor, shift: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """f_lin(x) = f(x; theta*) + J(x) shift (N, C), and the offset J shift (None if no
-        shift)."""
+    def _features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """f(x; theta*) (N, C) and, on the last-layer feature path, the inputs phi (N, D) of
+        the output layer (None otherwise)."""
+        layer = self._output_layer if self._feature_path else None
+        with torch.no_grad():
+            f, phi = forward_with_features(self.model, x, layer)
+        return f, None if phi is None else phi.detach()
+
+    def _linearised_outputs(
+        self, x: Tensor, shift: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """f_lin(x) = f(x; theta*) + J(x) shift (N, C), the offset J shift (None if no
+        shift) and the output layer's features phi (N, D) on the last-layer path (else None)."""
+        f, phi = self._features(x)
         if shift is None:
-            with torch.no_grad():
-                return self.model(x), None
+            return f, None, phi
+        if phi is not None and self._output_layer is not None:
+            offset = lastlayer_jvp(phi, shift.to(phi.dtype), f.shape[1], self._output_layer)
+            return f + offset, offset, phi
         f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
-        return f + offset, offset
+        return f + offset, offset, None
 
     def refine(
         self,
@@ -392,10 +437,19 @@ class Laplace:
             raise ValueError(f"method: expected 'glm' or 'nn', got {method!r}")
         means, covs = [], []
         shift = self.mean - self.theta_star
+        post = self.posterior
+        layer = self._output_layer
+        on_features = isinstance(post, LastLayerPrecision) and layer is not None
         for xs in x.split(chunk_size):
+            f, phi = self._features(xs) if on_features else (self._f_star(xs), None)
+            if phi is not None and layer is not None:
+                # J_n = I_C ⊗ [phi_n, 1]^T: mean and covariance from the features alone.
+                means.append(f + lastlayer_jvp(phi, shift.to(phi.dtype), f.shape[1], layer))
+                covs.append(post.functional_cov_lastlayer(phi, layer))
+                continue
             jac = jacobians(self.model, xs, self.subset)
-            means.append(self._f_star(xs) + jac @ shift)
-            covs.append(self.posterior.functional_cov(jac))
+            means.append(f + jac @ shift)
+            covs.append(post.functional_cov(jac))
         return predictive_from_gaussian(
             torch.cat(means),
             torch.cat(covs),

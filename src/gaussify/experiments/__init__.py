@@ -1,0 +1,32 @@
+"""Reproductions of the papers' experiments: one module per table or figure.
+
+Each module has ``run(...)`` returning a results table and ``main(argv) -> int`` for the
+command line (``gaussify experiment <name> ...``); :func:`get` returns the module for a name
+in :data:`EXPERIMENTS`. Modules are imported on first use, so ``python -m
+gaussify.experiments.<name>`` runs cleanly.
+
+* ``uci_classification``: Immer, Korzepa & Bauer (2021), Table 1 (App. B.3 protocol).
+* ``marglik_selection``: Immer thesis Sec. 5.1 (Fig. 5.3), evidence vs prior and width.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+EXPERIMENTS: tuple[str, ...] = ("uci_classification", "marglik_selection")
+
+__all__ = ["EXPERIMENTS", "get"]
+
+
+def get(name: str) -> ModuleType:
+    """The experiment module called ``name`` (one of :data:`EXPERIMENTS`)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"name: unknown experiment {name!r}; choose one of {EXPERIMENTS}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in EXPERIMENTS:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

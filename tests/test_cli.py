@@ -46,3 +46,14 @@ def test_demo_is_deterministic_and_reports_the_metrics_of_its_model(tmp_path: Pa
 
 def test_demo_rejects_a_regression_dataset(tmp_path: Path) -> None:
     assert main(["demo", "--dataset", "yacht", "--out", str(tmp_path)]) == 2
+
+
+def test_experiment_subcommand_dispatches_to_the_module(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["experiment", "nope"])
+    with pytest.raises(SystemExit) as info:
+        main(["experiment", "marglik_selection", "--help"])
+    assert info.value.code == 0
+    assert "--deltas" in capsys.readouterr().out

@@ -133,6 +133,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment(args: argparse.Namespace) -> int:
+    from gaussify import experiments
+
+    return int(experiments.get(args.name).main(args.rest))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gaussify", description="Gaussian approximate inference for deep learning."
@@ -151,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.add_argument("--out", default="gaussify-demo", help="folder for report and figure")
     p_demo.set_defaults(func=_demo)
+    from gaussify.experiments import EXPERIMENTS
+
+    p_exp = sub.add_parser("experiment", help="reproduce a paper table or figure")
+    p_exp.add_argument("name", choices=EXPERIMENTS)
+    p_exp.add_argument("rest", nargs=argparse.REMAINDER, help="the experiment's own options")
+    p_exp.set_defaults(func=_experiment)
     return parser
 
 

@@ -1,0 +1,444 @@
+"""ELLA: the linearised Laplace GP with a Nystrom approximation of its kernel.
+
+Deng et al. (2022, "Accelerated linearized Laplace approximation for Bayesian deep learning")
+replace the kernel k(x, x') = J(x) S0 J(x')^T of the functional Laplace GP (Immer thesis
+Thm 3.2) by its Nystrom approximation on M landmark inputs Z,
+
+    k(x, x') ~= k(x, Z) K_ZZ^+ k(Z, x') = phi(x)^T phi(x'),   phi(x) = D^-1/2 U^T k(Z, x),
+
+with K_ZZ = U D U^T (MC x MC) truncated to its R eigenvalues above a tolerance, so phi(x) is an
+(R, C) feature map. The GP with kernel phi^T phi is the Bayesian GLM f(x) = f(x; theta*) +
+phi(x)^T w, w ~ N(0, I_R), and its Laplace-GGN posterior has precision
+
+    A = I_R + sum_n phi_n Lambda_n phi_n^T   (R x R, the full C x C Hessian blocks),
+
+giving the predictive N(f(x*; theta*), phi*^T A^-1 phi*): one pass over the data to fit, and
+a prediction cost independent of N (M kernel evaluations per test input). The log marginal
+likelihood is the function-space Laplace evidence (``gp.gp_log_evidence``) with K replaced by
+Phi^T Phi, which reduces to R-dimensional quantities (with s = sum_n phi_n v_n):
+
+    log Z = log p(y | f*) + r^T m - 1/2 m^T Lambda m + 1/2 s^T A^-1 s - 1/2 log det A.
+
+The Nystrom kernel is below the exact one (k - k~ is a Schur complement, PSD), so ELLA's
+predictive variance never exceeds the exact GP's; with all N training points as landmarks the
+training kernel is exact (same evidence), and the predictive is exact when the training
+Jacobians span the parameters (N C >= P, full rank).
+
+A scalar prior precision can be changed after fitting (phi scales by sqrt(delta_fit / delta));
+for regression the sufficient statistics are stored per output so the noise can be tuned too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.batches import Batches, as_batches, num_examples
+from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
+from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.evidence import gaussian_log_likelihood
+from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS, optimize_hyperparameters
+from gaussify.function_space.ntk import Route, ntk
+from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+
+__all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
+
+LandmarkMethod = Literal["random", "kmeans"]
+_METHODS = ("random", "kmeans")
+
+
+def nystrom_projection(kernel_zz: Tensor, eig_tol: float | None = None) -> Tensor:
+    """The map P = U_R D_R^-1/2 (MC, R) with phi(x) = P^T k(Z, x), from the landmark kernel
+    ``kernel_zz (M, C, M, C)``; eigenvalues below ``eig_tol`` x the largest (default
+    M C x machine epsilon, the numerical-rank tolerance) are dropped."""
+    m, c = kernel_zz.shape[:2]
+    flat = kernel_zz.reshape(m * c, m * c)
+    evals, evecs = torch.linalg.eigh(0.5 * (flat + flat.T))
+    tol = m * c * torch.finfo(flat.dtype).eps if eig_tol is None else eig_tol
+    keep = evals > tol * evals.max().clamp_min(0)
+    if not bool(keep.any()):
+        raise ValueError("landmarks: the landmark kernel is zero; the features would be empty")
+    return evecs[:, keep] / evals[keep].sqrt()
+
+
+def select_landmarks(
+    data: Batches,
+    num_landmarks: int,
+    method: LandmarkMethod = "random",
+    seed: int = 0,
+    batch_size: int = 256,
+) -> Tensor:
+    """M landmark inputs (M, ...) from the training inputs: ``"random"`` draws M distinct
+    points (seeded); ``"kmeans"`` runs k-means (scikit-learn) on the flattened inputs and
+    snaps each centre, in turn, to the nearest training input not taken yet, so landmarks
+    are always real data points."""
+    if method not in _METHODS:
+        raise ValueError(f"landmarks: expected one of {_METHODS} or a tensor, got {method!r}")
+    batches = as_batches(data, batch_size=batch_size)
+    n = num_examples(batches)
+    if num_landmarks > n:
+        raise ValueError(
+            f"num_landmarks: {num_landmarks} exceeds the number of training points N = {n}"
+        )
+    if method == "random":
+        gen = torch.Generator().manual_seed(seed)
+        chosen = torch.randperm(n, generator=gen)[:num_landmarks].sort().values
+        rows, offset = [], 0
+        for x, _ in batches:
+            hit = chosen[(chosen >= offset) & (chosen < offset + x.shape[0])] - offset
+            rows.append(x[hit])
+            offset += x.shape[0]
+        return torch.cat(rows)
+    from sklearn.cluster import KMeans
+
+    x_all = torch.cat([x for x, _ in batches])
+    flat = x_all.reshape(n, -1).double()
+    centres = KMeans(n_clusters=num_landmarks, n_init=1, random_state=seed).fit(flat.numpy())
+    dist = torch.cdist(torch.as_tensor(centres.cluster_centers_, dtype=flat.dtype), flat)
+    taken = torch.zeros(n, dtype=torch.bool)
+    idx = []
+    for row in dist:
+        j = int(row.masked_fill(taken, float("inf")).argmin())
+        taken[j] = True
+        idx.append(j)
+    return x_all[torch.tensor(idx)]
+
+
+class ELLA:
+    """Nystrom-accelerated linearised Laplace (Deng et al. 2022) with the full C x C
+    likelihood Hessian blocks.
+
+    ``num_landmarks`` M (<= N), ``landmarks``: "random" | "kmeans" | a tensor of inputs
+    (M, ...). ``prior_precision``: scalar, per parameter tensor or per parameter (only a
+    scalar can be changed after fitting). ``seed`` seeds the landmark choice. ``eig_tol``:
+    relative eigenvalue cut of the landmark kernel (:func:`nystrom_projection`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood = "classification",
+        num_landmarks: int = 100,
+        landmarks: LandmarkMethod | Tensor = "random",
+        prior_precision: float | Tensor = 1.0,
+        sigma_noise: float | Tensor = 1.0,
+        subset: str | list[str] = "all",
+        seed: int = 0,
+        *,
+        eig_tol: float | None = None,
+        chunk_size: int | None = None,
+        route: Route = "auto",
+    ) -> None:
+        if isinstance(num_landmarks, bool) or not isinstance(num_landmarks, int):
+            raise ValueError(f"num_landmarks: expected a positive integer, got {num_landmarks!r}")
+        if num_landmarks < 1:
+            raise ValueError(f"num_landmarks: expected a positive integer, got {num_landmarks}")
+        if not isinstance(landmarks, Tensor) and landmarks not in _METHODS:
+            raise ValueError(
+                f"landmarks: expected one of {_METHODS} or a tensor of inputs, got {landmarks!r}"
+            )
+        self.model = model
+        self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
+        self.task = self.likelihood.task
+        self.subset: ParameterSubset = select_parameters(model, subset)
+        self.num_landmarks = num_landmarks
+        self.landmarks = landmarks
+        self.seed = seed
+        self.eig_tol = eig_tol
+        self.chunk_size = chunk_size
+        self.route: Route = route
+        dtype = next(model.parameters()).dtype
+        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        expand_prior(prior, self.subset)
+        self.prior_precision = prior
+        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self._fitted = False
+        self._chol: Tensor | None = None
+
+    # ------------------------------------------------------------------ features
+    def _kernel_to_landmarks(self, x: Tensor) -> Tensor:
+        """k(Z, x) at the fitted prior, (MC, B, C)."""
+        k = ntk(
+            self.model,
+            self._z,
+            x,
+            self.subset,
+            self._prior_fit,
+            self.chunk_size,
+            route=self.route,
+        )
+        m, c = k.shape[:2]
+        return k.reshape(m * c, x.shape[0], c)
+
+    def _features(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return torch.einsum("kr,kbc->brc", self._proj, self._kernel_to_landmarks(x))
+
+    def features(self, x: Tensor) -> Tensor:
+        """The Nystrom feature map phi(x) (N, R, C) at the fitted prior precision, with
+        phi(x)^T phi(x') ~= k(x, x')."""
+        self._require_fit()
+        return self._features(x)
+
+    @property
+    def num_features(self) -> int:
+        """R, the number of retained eigen-directions of the landmark kernel."""
+        self._require_fit()
+        return int(self._proj.shape[1])
+
+    # ------------------------------------------------------------------ fitting
+    def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
+        """Choose the landmarks, build the feature map, and accumulate the R x R posterior
+        statistics in one pass over ``data`` at the current weights theta*."""
+        self.model.eval()
+        batches = as_batches(data, batch_size=batch_size)
+        if isinstance(self.landmarks, Tensor):
+            z = self.landmarks
+            if z.ndim == 0 or z.shape[0] == 0:
+                raise ValueError("landmarks: expected a non-empty tensor of inputs (M, ...)")
+        else:
+            z = select_landmarks(batches, self.num_landmarks, self.landmarks, self.seed, batch_size)
+        self._z = z
+        self._prior_fit = self.prior_precision.clone()
+        self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        with torch.no_grad():
+            k_zz = ntk(
+                self.model, z, None, self.subset, self._prior_fit, self.chunk_size, route=self.route
+            )
+        self._proj = nystrom_projection(k_zz, self.eig_tol)
+        r = self._proj.shape[1]
+        dtype = self._proj.dtype
+        regression = self.task == "regression"
+        stats: dict[str, Tensor] = {}
+        num_data = 0
+        for x, y in batches:
+            phi = self._features(x)  # (B, R, C)
+            f = model_outputs(self.model, x, self.chunk_size)
+            m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size)
+            if regression:
+                e = y.reshape(f.shape).to(f.dtype) - f
+                part = {
+                    "gram": torch.einsum("brc,bsc->crs", phi, phi),
+                    "phi_e": torch.einsum("brc,bc->cr", phi, e),
+                    "phi_m": torch.einsum("brc,bc->cr", phi, m),
+                    "em": (e * m).sum(0),
+                    "mm": m.square().sum(0),
+                    "sse": e.square().sum(0),
+                }
+            else:
+                lam_sqrt = self.likelihood.hessian_sqrt(f)
+                lam = lam_sqrt @ lam_sqrt.transpose(-1, -2)
+                res = self.likelihood.residual(f, y)
+                lam_m = torch.einsum("bij,bj->bi", lam, m)
+                pl = torch.einsum("brc,bca->rba", phi, lam_sqrt).reshape(r, -1)
+                part = {
+                    "gram": pl @ pl.T,
+                    "s": torch.einsum("brc,bc->r", phi, res - lam_m),
+                    "log_lik": self.likelihood.log_prob(f, y).sum(),
+                    "rm": (res * m).sum(),
+                    "mlm": (m * lam_m).sum(),
+                }
+            for key, value in part.items():
+                stats[key] = value if key not in stats else stats[key] + value
+            num_data += x.shape[0]
+        if num_data == 0:
+            raise ValueError("data: contains no examples")
+        self._stats = {k: v.to(dtype) for k, v in stats.items()}
+        self.num_data = num_data
+        self._fitted = True
+        self._chol = None
+        return self
+
+    def _require_fit(self) -> None:
+        if not self._fitted:
+            raise RuntimeError("ELLA: call fit(data) before using the posterior")
+
+    # ------------------------------------------------------------------ posterior algebra
+    def _factor(self, prior: Tensor) -> Tensor:
+        """c = delta_fit / delta: the kernel (and phi phi^T) scale for a new scalar prior."""
+        if self._prior_fit.numel() != 1 or prior.numel() != 1:
+            if prior.shape == self._prior_fit.shape and torch.equal(
+                prior.detach(), self._prior_fit
+            ):
+                return torch.ones((), dtype=self._proj.dtype)
+            raise ValueError(
+                "prior_precision: ELLA can only change a scalar prior precision after fit "
+                f"(fitted with shape {tuple(self._prior_fit.shape)}); refit with the new prior"
+            )
+        check_prior(prior.detach())
+        return (self._prior_fit.reshape(()) / prior.reshape(())).to(self._proj.dtype)
+
+    def _posterior_terms(self, prior: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(A (R, R), s (R,), log p(y | f*) + r^T m - 1/2 m^T Lambda m) at the hyperparameters."""
+        st = self._stats
+        c = self._factor(prior)
+        if self.task == "regression":
+            w = (1.0 / sigma.square()).expand(st["sse"].shape).to(st["sse"].dtype)
+            gram = torch.einsum("c,crs->rs", w, st["gram"])
+            s = torch.einsum("c,cr->r", w, st["phi_e"] - st["phi_m"])
+            log_lik = gaussian_log_likelihood(st["sse"], self.num_data, sigma)
+            const = log_lik + (w * st["em"]).sum() - 0.5 * (w * st["mm"]).sum()
+        else:
+            gram, s = st["gram"], st["s"]
+            const = st["log_lik"] + st["rm"] - 0.5 * st["mlm"]
+        eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        return eye + c * gram, c.sqrt() * s, const
+
+    def log_marginal_likelihood(
+        self,
+        prior_precision: Tensor | float | None = None,
+        sigma_noise: Tensor | float | None = None,
+    ) -> Tensor:
+        """Laplace-GGN log evidence with the Nystrom kernel (module docstring), differentiable
+        in a scalar prior precision and the regression noise."""
+        self._require_fit()
+        dtype = self._proj.dtype
+        prior = (
+            self.prior_precision
+            if prior_precision is None
+            else torch.as_tensor(prior_precision, dtype=dtype)
+        )
+        sigma = (
+            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
+        )
+        a, s, const = self._posterior_terms(prior, sigma)
+        chol = torch.linalg.cholesky(0.5 * (a + a.T))
+        z = torch.linalg.solve_triangular(chol, s.reshape(-1, 1), upper=False)
+        value = const + 0.5 * z.square().sum() - chol.diagonal().log().sum()
+        if not torch.isfinite(value):
+            raise FloatingPointError(
+                f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
+            )
+        return value
+
+    def optimize_prior(
+        self,
+        data: Batches | None = None,
+        *,
+        method: Literal["gradient", "grid"] = "gradient",
+        tune_noise: bool | None = None,
+        n_steps: int = 100,
+        lr: float = 0.1,
+        grid: Tensor | None = None,
+    ) -> ELLA:
+        """Type-II maximum likelihood of a scalar prior precision (and the regression noise)
+        with the Nystrom evidence; ``data`` is fitted first when not fitted yet."""
+        if data is not None and not self._fitted:
+            self.fit(data)
+        self._require_fit()
+        if tune_noise is None:
+            tune_noise = self.task == "regression" and self.sigma_noise.ndim == 0
+        if tune_noise and self.task != "regression":
+            raise ValueError("tune_noise: only a regression likelihood has noise to tune")
+        dtype = self._proj.dtype
+        if method == "grid":
+            values = torch.logspace(-4, 4, 41, dtype=dtype) if grid is None else grid.to(dtype)
+            with torch.no_grad():
+                scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
+            self.prior_precision = values[int(scores.argmax())].clone()
+        elif method == "gradient":
+            prior, sigma = optimize_hyperparameters(
+                self.log_marginal_likelihood,
+                self.prior_precision.reshape(()),
+                self.sigma_noise,
+                tune_noise=tune_noise,
+                n_steps=n_steps,
+                lr=lr,
+            )
+            self.prior_precision = prior
+            if tune_noise:
+                self.sigma_noise = sigma
+                self.likelihood = get_likelihood("regression", sigma_noise=sigma)
+        else:
+            raise ValueError(f"method: expected 'gradient' or 'grid', got {method!r}")
+        self._chol = None
+        return self
+
+    # ------------------------------------------------------------------ prediction
+    def _posterior_chol(self) -> tuple[Tensor, Tensor]:
+        if self._chol is None:
+            with torch.no_grad():
+                a, _, _ = self._posterior_terms(self.prior_precision, self.sigma_noise)
+                self._chol = torch.linalg.cholesky(0.5 * (a + a.T))
+        return self._chol, self._factor(self.prior_precision).detach()
+
+    def functional_covariance(self, x: Tensor) -> Tensor:
+        """Posterior covariance of the outputs at each input, c phi*^T A^-1 phi* (N, C, C)."""
+        self._require_fit()
+        chol, c = self._posterior_chol()
+        m, r = self._z.shape[0], self.num_features
+        per_input = max(1, m * r)
+        covs = []
+        for sl in chunk_slices(x.shape[0], max(1, PREDICT_BLOCK_ELEMENTS // per_input)):
+            phi = self.features(x[sl])  # (B, R, C)
+            b, _, k = phi.shape
+            z = torch.linalg.solve_triangular(
+                chol, phi.permute(1, 0, 2).reshape(r, b * k), upper=False
+            ).reshape(r, b, k)
+            cov = c * torch.einsum("rbi,rbj->bij", z, z)
+            covs.append(0.5 * (cov + cov.transpose(-1, -2)))
+        return torch.cat(covs)
+
+    def predict(
+        self,
+        x: Tensor,
+        method: Literal["glm"] = "glm",
+        link: LinkName = "probit",
+        *,
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> Predictive:
+        """Predictive N(f(x; theta*), c phi(x)^T A^-1 phi(x)) through the shared
+        :class:`~gaussify.predictive.Predictive`; cost independent of the training set size."""
+        self._require_fit()
+        if method != "glm":
+            raise ValueError(
+                f"method: ELLA predicts with the linearised model 'glm', got {method!r}"
+            )
+        f_mean = model_outputs(self.model, x, self.chunk_size)
+        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        return predictive_from_gaussian(
+            f_mean,
+            self.functional_covariance(x),
+            self.task,
+            link=link,
+            noise_var=noise_var,
+            num_samples=num_samples,
+            generator=generator,
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        self._require_fit()
+        return {
+            "subset": list(self.subset.names),
+            "landmarks": self._z,
+            "projection": self._proj,
+            "prior_fit": self._prior_fit,
+            "prior_precision": self.prior_precision,
+            "sigma_noise": self.sigma_noise,
+            "theta_star": self.theta_star,
+            "num_data": self.num_data,
+            "stats": dict(self._stats),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` into an ELLA over the same model."""
+        if list(state["subset"]) != list(self.subset.names):
+            raise ValueError(
+                f"state: was saved for parameter tensors {list(state['subset'])}; this "
+                f"posterior covers {list(self.subset.names)}"
+            )
+        self._z, self._proj = state["landmarks"], state["projection"]
+        self._prior_fit = state["prior_fit"]
+        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
+        self.theta_star, self.num_data = state["theta_star"], int(state["num_data"])
+        self._stats = dict(state["stats"])
+        if self.task == "regression":
+            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
+        self._fitted = True
+        self._chol = None

@@ -1,0 +1,854 @@
+"""Variational linearised Laplace (VaLLA; Ortega, Santana & Hernández-Lobato 2024).
+
+The linearised Laplace model is a GP (Immer thesis Thm 3.2, eq. 3.13): prior mean
+m(x) = f(x; theta*) - J(x) theta* and kernel k(x, x') = J(x) P0^-1 J(x')^T (C x C blocks), P0 the
+diagonal prior precision. VaLLA approximates its posterior with a *decoupled* sparse GP (Cheng &
+Boots 2017; VaLLA eq. 13-17): the mean basis is anchored so that the predictive mean is the
+network output f(x; theta*) exactly (Prop. 1), and only the covariance uses M inducing inputs Z,
+whose outputs u = f(Z) (M C values) carry q(u) = N(., S_u):
+
+    mean(x)     = f(x; theta*)
+    Sigma(x, x') = k(x, x') - k_xZ K_ZZ^-1 (K_ZZ - S_u) K_ZZ^-1 k_Zx'.          (VaLLA eq. 17)
+
+S_u is parameterised whitened, S_u = L_K S_v L_K^T with L_K = chol(K_ZZ) and S_v = L_v L_v^T
+(L_v lower triangular, learned), so S_u follows the prior scale while it is learned.
+
+In weight space this is q(theta) = N(theta*, Sigma_theta) with Sigma_theta = P0^-1 -
+P0^-1 J_Z^T K_ZZ^-1 (K_ZZ - S_u) K_ZZ^-1 J_Z P0^-1, and the KL divergence to the prior N(0, P0^-1)
+splits into the covariance part and the RKHS norm of the anchored mean (VaLLA eq. 15):
+
+    KL = KL(N(0, S_u) || N(0, K_ZZ)) + 1/2 theta*^T P0 theta*
+       = 1/2 [tr S_v - M C - log det S_v] + 1/2 theta*^T P0 theta*.
+
+The objective is VaLLA eq. (20)-(21), the alpha-divergence energy (Li & Gal 2017) on a minibatch
+B of the N training points,
+
+    L_alpha = (N / |B|) sum_{n in B} (1/alpha) log E_q[p(y_n | f_n)^alpha] - KL,
+
+with the paper's alpha = 1 by default (the data term is then the predictive log-likelihood
+log E_q[p(y_n | f_n)], which lets the prior precision be learned, Sec. 3.3) and alpha -> 0 giving
+the evidence lower bound E_q[log p(y_n | f_n)] - KL (VaLLA eq. 14), a lower bound on the log
+evidence of the linearised GP that is tight at the optimum when Z = X. The expectation is in
+closed form for a Gaussian likelihood (any alpha); for softmax / sigmoid it is the probit
+approximation (alpha = 1) or Monte Carlo. A step needs Jacobians of the minibatch and of Z only
+(cached while Z is fixed), so its cost does not depend on N. Early stopping on a validation split
+(App. C) keeps the learned prior from over-fitting. q(u) is optimised by natural-gradient steps
+by default (Salimbeni et al. 2018; the paper uses Adam, available as ``optimizer="adam"``), and
+Prop. 2's closed-form optimum (Titsias 2009) is available for a Gaussian likelihood.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.batches import Batches, as_batches, num_examples
+from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, jacobians, model_outputs
+from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
+from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
+from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
+
+__all__ = [
+    "VaLLA",
+    "decoupled_kl",
+    "gaussian_expected_log_lik",
+    "whitened_kl",
+]
+
+Expectation = Literal["auto", "closed_form", "probit", "mc"]
+Method = Literal["sgd", "closed_form"]
+Init = Literal["prior", "closed_form"]
+KernelRoute = Literal["jacobian", "ntk"]
+
+
+# ---------------------------------------------------------------------- pure functions
+def whitened_kl(chol_v: Tensor) -> Tensor:
+    """KL(N(0, S_u) || N(0, K_ZZ)) for S_u = L_K S_v L_K^T, S_v = L_v L_v^T:
+    1/2 [tr S_v - D - log det S_v], independent of K_ZZ. ``chol_v (D, D)`` lower triangular."""
+    diag = chol_v.diagonal()
+    return 0.5 * (chol_v.square().sum() - chol_v.shape[0] - 2 * diag.abs().log().sum())
+
+
+def decoupled_kl(chol_v: Tensor, theta_star: Tensor, prior: Tensor) -> Tensor:
+    """KL(q(theta) || p(theta)) of VaLLA's weight-space Gaussian N(theta*, Sigma_theta) to the
+    prior N(0, P0^-1): the covariance part plus the anchored mean's 1/2 theta*^T P0 theta*
+    (VaLLA eq. 15 with the mean basis reproducing f(x; theta*)). ``prior (P,)``."""
+    return whitened_kl(chol_v) + 0.5 * (prior * theta_star.square()).sum()
+
+
+def gaussian_expected_log_lik(
+    y: Tensor, mean: Tensor, cov: Tensor, noise_var: Tensor, alpha: float
+) -> Tensor:
+    """(1/alpha) log E_{f ~ N(mean, cov)} [N(y | f, D)^alpha] per sample, (B,), D = diag(noise).
+
+    Closed form: N(y | f, D)^alpha = (2 pi)^{C (1 - alpha) / 2} |D|^{(1 - alpha) / 2}
+    alpha^{-C/2} N(y | f, D / alpha), so the expectation is that constant times
+    N(y | mean, D / alpha + cov). ``alpha = 0`` is the limit E[log N(y | f, D)] =
+    log N(y | mean, D) - 1/2 tr(D^-1 cov). Shapes: y, mean (B, C), cov (B, C, C), noise (C,).
+    """
+    c = mean.shape[-1]
+    log_2pi = math.log(2 * math.pi)
+    resid = y - mean
+    if alpha == 0:
+        return -0.5 * (resid.square() / noise_var + noise_var.log() + log_2pi).sum(-1) - 0.5 * (
+            cov.diagonal(dim1=-2, dim2=-1) / noise_var
+        ).sum(-1)
+    total = cov + torch.diag_embed(noise_var / alpha).expand_as(cov)
+    chol = torch.linalg.cholesky(total)
+    sol = torch.cholesky_solve(resid.unsqueeze(-1), chol).squeeze(-1)
+    log_n = -0.5 * (
+        (resid * sol).sum(-1) + 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1) + c * log_2pi
+    )
+    const = 0.5 * (1 - alpha) * (c * log_2pi + noise_var.log().sum()) - 0.5 * c * math.log(alpha)
+    return (const + log_n) / alpha
+
+
+def _mc_expected_log_lik(
+    likelihood: Likelihood,
+    y: Tensor,
+    mean: Tensor,
+    cov: Tensor,
+    alpha: float,
+    num_samples: int,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """Reparameterised Monte Carlo estimate of (1/alpha) log E[p(y|f)^alpha] (alpha = 0:
+    E[log p(y|f)]), (B,)."""
+    chol, info = torch.linalg.cholesky_ex(cov)
+    if bool(info.any()):
+        eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+        jitter = 1e-8 * float(cov.diagonal(dim1=-2, dim2=-1).mean().detach())
+        warnings.warn(
+            f"Sigma(x, x): not positive definite; added jitter {jitter:.1e} to sample from it",
+            stacklevel=3,
+        )
+        chol = torch.linalg.cholesky(cov + jitter * eye)
+    eps = torch.randn(
+        (num_samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device
+    )
+    f = mean + torch.einsum("bij,sbj->sbi", chol, eps)
+    logp = torch.stack([likelihood.log_prob(fs, y) for fs in f])  # (S, B)
+    if alpha == 0:
+        return logp.mean(0)
+    return (torch.logsumexp(alpha * logp, dim=0) - math.log(num_samples)) / alpha
+
+
+def _probit_log_lik(task: str, y: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
+    """log E[p(y|f)] with the probit approximation of softmax / sigmoid (VaLLA Sec. 3.3 uses
+    this approximation of Daxberger et al. 2021b), (B,)."""
+    probs = probit(mean, cov.diagonal(dim1=-2, dim2=-1), task)
+    if task == "classification":
+        return probs.clamp_min(1e-300).log().gather(-1, y.long().reshape(-1, 1)).squeeze(-1)
+    y = y.reshape(probs.shape).to(probs)
+    return (y * probs.clamp_min(1e-300).log() + (1 - y) * (1 - probs).clamp_min(1e-300).log()).sum(
+        -1
+    )
+
+
+# ---------------------------------------------------------------------- the posterior
+class VaLLA:
+    """Variational linearised Laplace: a decoupled sparse GP with the linearised network's
+    kernel J P0^-1 J^T, predictive mean f(x; theta*) and M inducing inputs for the covariance.
+
+    ``likelihood``: "regression", "classification", "binary" or a likelihood object.
+    ``num_inducing``: M (K-means centres of the training inputs), or None with
+    ``inducing_points (M, ...)`` given. ``prior_precision``: scalar, per parameter tensor or
+    per parameter; its granularity is kept when it is learned (``learn_prior``).
+    ``sigma_noise``: Gaussian noise (learned with ``learn_noise``). ``alpha``: the divergence
+    parameter of eq. (20) (1: the paper; 0: the ELBO). ``learn_inducing``: move Z by gradient
+    (then Jacobians at Z are recomputed, with gradients, every step). ``kernel``: how the
+    kernel J P0^-1 J^T is formed: "jacobian" (Jacobians of the batch and of Z, the latter
+    cached while Z is fixed: memory M C P) or "ntk" (:func:`gaussify.function_space.ntk.ntk`,
+    per-layer for plain linear layers, no P-sized Jacobian rows; Z cannot be learned).
+    ``expectation``: "closed_form" (Gaussian), "probit" (alpha = 1, softmax / sigmoid), "mc"
+    (``mc_samples`` reparameterised samples), "auto" picks the first that applies.
+    Optimisation over minibatches of ``batch_size`` for ``epochs`` passes or ``max_steps``
+    steps, whichever is first: ``optimizer="natural"`` (default) takes natural-gradient steps
+    of size ``ng_lr`` on q(u) and Adam steps at ``lr`` on the learned hyperparameters and
+    inducing inputs; ``"adam"`` (the paper's choice) uses Adam at ``lr`` on the Cholesky factor
+    of S_v too, which converges slowly when K_ZZ is ill-conditioned. ``schedule="cosine"``
+    decays both step sizes to 0 over the run. ``seed`` seeds K-means, batch order and Monte
+    Carlo draws.
+
+    Reference: Ortega, Santana, Hernández-Lobato, "Variational Linearized Laplace
+    Approximation for Bayesian Deep Learning", ICML 2024.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood = "classification",
+        num_inducing: int | None = 100,
+        prior_precision: float | Tensor = 1.0,
+        sigma_noise: float | Tensor = 1.0,
+        subset: str | list[str] = "all",
+        *,
+        alpha: float = 1.0,
+        inducing_points: Tensor | None = None,
+        learn_inducing: bool = False,
+        learn_prior: bool = True,
+        learn_noise: bool = False,
+        expectation: Expectation = "auto",
+        kernel: KernelRoute = "jacobian",
+        mc_samples: int = 16,
+        epochs: int = 10,
+        max_steps: int | None = None,
+        lr: float = 1e-2,
+        optimizer: Literal["natural", "adam"] = "natural",
+        ng_lr: float = 0.1,
+        schedule: Literal["cosine", "constant"] = "cosine",
+        batch_size: int = 256,
+        kmeans_points: int = 10_000,
+        seed: int = 0,
+    ) -> None:
+        if num_inducing is None and inducing_points is None:
+            raise ValueError("num_inducing: give the number of inducing points or inducing_points")
+        if num_inducing is not None and (
+            isinstance(num_inducing, bool) or not isinstance(num_inducing, int) or num_inducing < 1
+        ):
+            raise ValueError(f"num_inducing: must be a positive integer, got {num_inducing!r}")
+        if (
+            num_inducing is not None
+            and inducing_points is not None
+            and inducing_points.shape[0] != num_inducing
+        ):
+            raise ValueError(
+                f"num_inducing: {num_inducing} does not match the {inducing_points.shape[0]} "
+                "inducing_points given"
+            )
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha: must be in [0, 1] (0 is the ELBO), got {alpha}")
+        if expectation not in ("auto", "closed_form", "probit", "mc"):
+            raise ValueError(
+                "expectation: expected 'auto', 'closed_form', 'probit' or 'mc', "
+                f"got {expectation!r}"
+            )
+        for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
+        if not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples: must be a positive integer, got {mc_samples!r}")
+        if not lr > 0:
+            raise ValueError(f"lr: must be > 0, got {lr}")
+        if optimizer not in ("natural", "adam"):
+            raise ValueError(f"optimizer: expected 'natural' or 'adam', got {optimizer!r}")
+        if not 0 < ng_lr <= 1:
+            raise ValueError(f"ng_lr: the natural-gradient step must be in (0, 1], got {ng_lr}")
+        self.optimizer, self.ng_lr = optimizer, float(ng_lr)
+        if schedule not in ("cosine", "constant"):
+            raise ValueError(f"schedule: expected 'cosine' or 'constant', got {schedule!r}")
+        self.schedule = schedule
+        self.model = model
+        self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
+        self.task = self.likelihood.task
+        if self.task == "heteroscedastic":
+            raise ValueError("likelihood: heteroscedastic outputs are not supported by VaLLA")
+        if learn_noise and self.task != "regression":
+            raise ValueError("learn_noise: only a regression likelihood has noise to learn")
+        self.expectation = self._resolve_expectation(expectation, alpha)
+        if kernel not in ("jacobian", "ntk"):
+            raise ValueError(f"kernel: expected 'jacobian' or 'ntk', got {kernel!r}")
+        if kernel == "ntk" and learn_inducing:
+            raise ValueError(
+                "learn_inducing: the 'ntk' kernel route gives no gradients with respect to the "
+                "inducing inputs; use kernel='jacobian' to learn them"
+            )
+        self.kernel = kernel
+        self.subset: ParameterSubset = select_parameters(model, subset)
+        dtype = next(model.parameters()).dtype
+        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        expand_prior(prior, self.subset)  # raises on a wrong granularity
+        self.log_prior = prior.log().requires_grad_(learn_prior)
+        sigma = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.log_sigma = sigma.log().requires_grad_(learn_noise)
+        self.learn_prior, self.learn_noise = learn_prior, learn_noise
+        self.num_inducing = num_inducing if inducing_points is None else inducing_points.shape[0]
+        self._given_inducing = inducing_points
+        self.learn_inducing = learn_inducing
+        self.alpha = float(alpha)
+        self.mc_samples = mc_samples
+        self.epochs, self.max_steps, self.lr, self.batch_size = epochs, max_steps, lr, batch_size
+        self.kmeans_points = kmeans_points
+        self.seed = seed
+        self.history: dict[str, list[float]] = {"objective": [], "val_nll": []}
+        self._warned_jitter = False
+        self._initialised = False
+
+    def _resolve_expectation(self, expectation: Expectation, alpha: float) -> str:
+        regression = self.task == "regression"
+        if expectation == "auto":
+            if regression:
+                return "closed_form"
+            return "probit" if alpha == 1 else "mc"
+        if expectation == "closed_form" and not (
+            regression and isinstance(self.likelihood, Gaussian)
+        ):
+            raise ValueError("expectation: 'closed_form' needs a Gaussian (regression) likelihood")
+        if expectation == "probit" and (regression or alpha != 1):
+            raise ValueError(
+                "expectation: 'probit' approximates log E[softmax/sigmoid] and needs alpha = 1 "
+                "and a classification or binary likelihood"
+            )
+        return expectation
+
+    # ------------------------------------------------------------------ hyperparameters
+    @property
+    def prior_precision(self) -> Tensor:
+        """The (learned) prior precision, in the granularity it was given."""
+        return self.log_prior.detach().exp()
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        return self.log_sigma.detach().exp()
+
+    def _prior_vec(self) -> Tensor:
+        return expand_prior(self.log_prior.exp(), self.subset)
+
+    def _groups(self) -> list[slice] | None:
+        """Parameter slices sharing one prior value (scalar: one; per tensor: one each), or
+        None for a per-parameter prior (then kernels weight every column)."""
+        numel = self.log_prior.numel()
+        if numel == 1:
+            return [slice(0, self.subset.num_params)]
+        if numel == len(self.subset.names) and numel != self.subset.num_params:
+            out, start = [], 0
+            for n in self.subset.numels:
+                out.append(slice(start, start + n))
+                start += n
+            return out
+        return None
+
+    def _group_inv(self) -> Tensor:
+        """1 / prior per group (G,), or per parameter (P,) when ``_groups`` is None."""
+        prior = self.log_prior.exp()
+        return (1.0 / prior).reshape(-1)
+
+    def _group_names(self) -> list[list[str]] | None:
+        """The groups of :meth:`_groups` as parameter names (for ``ntk_components``)."""
+        groups = self._groups()
+        if groups is None:
+            return None
+        if len(groups) == 1:
+            return [list(self.subset.names)]
+        return [[name] for name in self.subset.names]
+
+    def _kernel(self, ja: Tensor, jb: Tensor) -> Tensor:
+        """J_a P0^-1 J_b^T for flattened Jacobians ja (A, P), jb (B, P): (A, B)."""
+        groups, inv = self._groups(), self._group_inv()
+        if groups is None:
+            return (ja * inv) @ jb.T
+        out = (ja[:, groups[0]] @ jb[:, groups[0]].T) * inv[0]
+        for i, g in enumerate(groups[1:], start=1):
+            out = out + (ja[:, g] @ jb[:, g].T) * inv[i]
+        return out
+
+    def _kernel_diag_blocks(self, jac: Tensor) -> Tensor:
+        """Per-sample blocks J_n P0^-1 J_n^T for jac (B, C, P): (B, C, C)."""
+        groups, inv = self._groups(), self._group_inv()
+        if groups is None:
+            return torch.einsum("bcp,bdp->bcd", jac * inv, jac)
+        out = torch.einsum("bcp,bdp->bcd", jac[..., groups[0]], jac[..., groups[0]]) * inv[0]
+        for i, g in enumerate(groups[1:], start=1):
+            out = out + torch.einsum("bcp,bdp->bcd", jac[..., g], jac[..., g]) * inv[i]
+        return out
+
+    def _jz(self) -> Tensor:
+        """Jacobians at Z (MC, P) (jacobian route): cached while Z is fixed, recomputed with
+        gradients to Z when it is learned."""
+        if not self.learn_inducing:
+            return self._jz_cache
+        jz = jacobians(self.model, self.inducing_points, self.subset)
+        return jz.reshape(-1, jz.shape[-1])
+
+    def _kzz(self) -> Tensor:
+        """K_ZZ (MC, MC); from cached unit-prior components (one per prior group) while Z is
+        fixed, so a step with a learned prior costs no pass over Z."""
+        grams = self._zz_grams
+        if grams is not None:
+            inv = self._group_inv()
+            out = grams[0] * inv[0]
+            for i in range(1, len(grams)):
+                out = out + grams[i] * inv[i]
+            return out
+        if self.kernel == "ntk":
+            m = self.inducing_points
+            k = ntk(self.model, m, None, self.subset, self.log_prior.exp())
+            return k.reshape(k.shape[0] * k.shape[1], -1)
+        jz = self._jz()
+        return self._kernel(jz, jz)
+
+    def _batch_kernels(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(K_{Z x} (MC, BC), the per-sample prior blocks k(x_n, x_n) (B, C, C))."""
+        if self.kernel == "ntk":
+            prior = self.log_prior.exp()
+            k_zx = ntk(self.model, self.inducing_points.detach(), x, self.subset, prior)
+            k_xx = ntk_diag(self.model, x, self.subset, prior)
+            return k_zx.reshape(k_zx.shape[0] * k_zx.shape[1], -1), k_xx
+        jac = jacobians(self.model, x, self.subset)
+        b, c, p = jac.shape
+        return self._kernel(self._jz(), jac.reshape(b * c, p)), self._kernel_diag_blocks(jac)
+
+    def _cholesky(self, k: Tensor) -> Tensor:
+        """Cholesky factor of K_ZZ, adding jitter (warned once) when it is singular (e.g. more
+        inducing outputs M C than parameters P, or duplicated inducing inputs)."""
+        chol, info = torch.linalg.cholesky_ex(k)
+        if not bool(info.any()):
+            return chol
+        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+        scale = float(k.diagonal().mean().detach().abs()) or 1.0
+        for power in range(-10, -1):
+            jitter = scale * 10.0**power
+            chol, info = torch.linalg.cholesky_ex(k + jitter * eye)
+            if not bool(info.any()):
+                if not self._warned_jitter:
+                    warnings.warn(
+                        f"K_ZZ: not positive definite (M C = {k.shape[0]} inducing outputs, "
+                        f"P = {self.subset.num_params} parameters); added jitter {jitter:.1e}",
+                        stacklevel=3,
+                    )
+                    self._warned_jitter = True
+                return chol
+        raise ValueError("K_ZZ: not positive definite even with jitter; use fewer inducing points")
+
+    @property
+    def chol_v(self) -> Tensor:
+        """L_v (MC, MC): lower triangular with a positive (exponentiated) diagonal."""
+        raw = self.chol_raw
+        return torch.tril(raw, -1) + torch.diag_embed(raw.diagonal().exp())
+
+    # ------------------------------------------------------------------ set-up
+    def _inputs_for_kmeans(self, data: Batches, gen: torch.Generator) -> Tensor:
+        if isinstance(data, tuple):
+            x = data[0]
+            if x.shape[0] > self.kmeans_points:
+                x = x[torch.randperm(x.shape[0], generator=gen)[: self.kmeans_points]]
+            return x
+        parts, count = [], 0
+        for x, _ in as_batches(data):
+            parts.append(x)
+            count += x.shape[0]
+            if count >= self.kmeans_points:
+                break
+        return torch.cat(parts)[: self.kmeans_points]
+
+    def _kmeans(self, x: Tensor, m: int) -> Tensor:
+        """M K-means centres of the (flattened) inputs (scikit-learn, seeded), shaped like x."""
+        from sklearn.cluster import KMeans
+
+        flat = x.detach().reshape(x.shape[0], -1).cpu().double().numpy()
+        km = KMeans(n_clusters=m, n_init=1, random_state=self.seed).fit(flat)
+        centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)
+        return centres.reshape(m, *x.shape[1:])
+
+    def initialize(self, data: Batches) -> VaLLA:
+        """Set theta*, N, the inducing inputs (K-means, or the given ones), the cached
+        Jacobians at Z and q(u) = prior (S_v = I). Called by :meth:`fit`."""
+        self.model.eval()
+        check_eval_mode(self.model)
+        gen = torch.Generator().manual_seed(self.seed)
+        self._gen = gen
+        self.num_data = num_examples(data)
+        if self.num_data == 0:
+            raise ValueError("data: contains no examples")
+        self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        if self._given_inducing is not None:
+            z = self._given_inducing.detach().clone()
+        else:
+            assert self.num_inducing is not None
+            if self.num_inducing > self.num_data:
+                raise ValueError(
+                    f"num_inducing: M = {self.num_inducing} exceeds the number of training "
+                    f"points N = {self.num_data}"
+                )
+            z = self._kmeans(self._inputs_for_kmeans(data, gen), self.num_inducing)
+        self.inducing_points = z.requires_grad_(self.learn_inducing)
+        self.num_outputs = model_outputs(self.model, z[:1]).shape[1]
+        mc = z.shape[0] * self.num_outputs
+        self.chol_raw = torch.zeros(mc, mc, dtype=self.theta_star.dtype, requires_grad=True)
+        self._refresh_cache()
+        trainable = self._trainable()
+        self._optimizer = torch.optim.Adam(trainable, lr=self.lr) if trainable else None
+        self._step_count = 0
+        self._total_steps: int | None = None
+        self._initialised = True
+        return self
+
+    def _refresh_cache(self) -> None:
+        """Cache what depends on Z alone: Jacobians at Z (jacobian route) and the unit-prior
+        K_ZZ components of each prior group (both routes), unless Z is learned."""
+        z = self.inducing_points.detach()
+        names = self._group_names()
+        self._zz_grams = None
+        if self.kernel == "jacobian":
+            jz = jacobians(self.model, z, self.subset)
+            self._jz_cache = jz.reshape(-1, jz.shape[-1])
+            groups = self._groups()
+            if groups is not None and not self.learn_inducing:
+                self._zz_grams = [self._jz_cache[:, g] @ self._jz_cache[:, g].T for g in groups]
+        elif names is not None:
+            comps = ntk_components(self.model, z, None, self.subset, groups=names)
+            mc = comps.shape[1] * comps.shape[2]
+            self._zz_grams = list(comps.reshape(comps.shape[0], mc, mc))
+
+    # ------------------------------------------------------------------ the model
+    def _require_init(self) -> None:
+        if not self._initialised:
+            raise RuntimeError("VaLLA: call fit(data) (or initialize(data)) first")
+
+    def _cov_blocks(self, x: Tensor, chol_k: Tensor, chol_v: Tensor) -> Tensor:
+        """Sigma(x_n, x_n) (B, C, C) at inputs x (VaLLA eq. 17, whitened):
+        k(x_n, x_n) - a_n^T a_n + a_n^T S_v a_n with a_n = L_K^-1 K_{Z x_n}."""
+        k_zx, k_xx = self._batch_kernels(x)
+        b, c = k_xx.shape[:2]
+        a = torch.linalg.solve_triangular(chol_k, k_zx, upper=False)
+        w = chol_v.T @ a
+        a3, w3 = a.reshape(-1, b, c), w.reshape(-1, b, c)
+        return k_xx - torch.einsum("mbc,mbd->bcd", a3, a3) + torch.einsum("mbc,mbd->bcd", w3, w3)
+
+    def _data_term(self, f: Tensor, cov: Tensor, y: Tensor) -> Tensor:
+        """(1/alpha) log E_q[p(y_n | f_n)^alpha] per sample, (B,)."""
+        if self.expectation == "closed_form":
+            noise = self.log_sigma.exp().square()
+            noise = noise.expand(f.shape[-1]) if noise.ndim == 0 else noise
+            y = y.reshape(f.shape).to(f.dtype)
+            return gaussian_expected_log_lik(y, f, cov, noise, self.alpha)
+        if self.expectation == "probit":
+            return _probit_log_lik(self.task, y, f, cov)
+        likelihood = self.likelihood
+        if self.task == "regression":
+            likelihood = get_likelihood("regression", sigma_noise=self.log_sigma.exp())
+        return _mc_expected_log_lik(
+            likelihood, y, f, cov, self.alpha, self.mc_samples, getattr(self, "_gen", None)
+        )
+
+    def kl(self) -> Tensor:
+        """KL(q || p) of the current variational parameters (decoupled, eq. 15)."""
+        self._require_init()
+        return decoupled_kl(self.chol_v, self.theta_star, self._prior_vec())
+
+    def batch_objective(
+        self, x: Tensor, y: Tensor, *, scale: float | None = None, chol_v: Tensor | None = None
+    ) -> Tensor:
+        """(N / B) sum_{n in B} (1/alpha) log E_q[p(y_n|f_n)^alpha] - KL on one batch (eq. 21);
+        ``scale`` overrides N / B, ``chol_v`` the current L_v. Differentiable in the
+        variational and hyperparameters."""
+        self._require_init()
+        chol_v = self.chol_v if chol_v is None else chol_v
+        with torch.no_grad():
+            f = model_outputs(self.model, x)
+        chol_k = self._cholesky(self._kzz())
+        cov = self._cov_blocks(x, chol_k, chol_v)
+        data = self._data_term(f, cov, y).sum()
+        factor = self.num_data / x.shape[0] if scale is None else scale
+        kl = decoupled_kl(chol_v, self.theta_star, self._prior_vec())
+        return factor * data - kl
+
+    def objective(self, data: Batches, *, batch_size: int = 256) -> Tensor:
+        """The full-data objective sum_n (1/alpha) log E_q[p(y_n|f_n)^alpha] - KL (eq. 20;
+        with alpha = 0 the ELBO, eq. 14). No gradients."""
+        self._require_init()
+        total = torch.zeros((), dtype=self.theta_star.dtype)
+        with torch.no_grad():
+            for x, y in as_batches(data, batch_size=batch_size):
+                total = total + self.batch_objective(x, y, scale=1.0) + self.kl()
+            return total - self.kl()
+
+    # ------------------------------------------------------------------ fitting
+    def _decay(self) -> float:
+        """Cosine factor of the step sizes over a :meth:`fit` run (1 outside one)."""
+        total = getattr(self, "_total_steps", None)
+        if self.schedule != "cosine" or not total:
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * min(self._step_count, total) / total))
+
+    def step(self, x: Tensor, y: Tensor) -> float:
+        """One optimisation step on the batch (x, y); returns the batch objective / N.
+
+        ``optimizer="natural"``: q(u) takes a natural-gradient step (Salimbeni et al. 2018)
+        while the learned hyperparameters / inducing inputs take an Adam step on the same
+        gradient. With the mean of q(v) fixed at 0, the natural parameter is -S_v^-1 / 2 and
+        the expectation parameter S_v, so the step is S_v^-1 <- S_v^-1 - 2 rho dL/dS_v; for a
+        Gaussian likelihood with alpha = 0 and rho = 1 on the full data it lands on the optimum
+        (:meth:`set_optimal_covariance`). ``optimizer="adam"``: Adam on the Cholesky factor.
+        """
+        self._require_init()
+        decay = self._decay()
+        if self._optimizer is not None:
+            for group in self._optimizer.param_groups:
+                group["lr"] = self.lr * decay
+            self._optimizer.zero_grad()
+        if self.optimizer == "adam":
+            loss = -self.batch_objective(x, y) / self.num_data
+            loss.backward()
+        else:
+            with torch.no_grad():
+                chol_old = self.chol_v
+                s_v = (chol_old @ chol_old.T).requires_grad_(True)
+            chol = torch.linalg.cholesky(s_v)
+            loss = -self.batch_objective(x, y, chol_v=chol) / self.num_data
+            loss.backward()
+            assert s_v.grad is not None
+            grad = -self.num_data * 0.5 * (s_v.grad + s_v.grad.T)  # dL/dS_v of the objective
+            self._natural_step(chol_old.detach(), grad, self.ng_lr * decay)
+        if self._optimizer is not None:
+            self._optimizer.step()
+        self._step_count += 1
+        return -float(loss.detach())
+
+    def _natural_step(self, chol_old: Tensor, grad: Tensor, rho: float) -> None:
+        """S_v^-1 <- S_v^-1 - 2 rho grad, halving rho until the new precision is positive
+        definite (a non-conjugate likelihood's gradient need not keep it so for large rho)."""
+        with torch.no_grad():
+            prec_old = torch.cholesky_inverse(chol_old)
+            for _ in range(20):
+                chol_p, info = torch.linalg.cholesky_ex(prec_old - 2 * rho * grad)
+                if not bool(info.any()):
+                    break
+                rho /= 2
+            else:
+                return
+            chol_v, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol_p))
+            if bool(info.any()):
+                return
+            self.chol_raw.copy_(torch.tril(chol_v, -1) + torch.diag_embed(chol_v.diagonal().log()))
+
+    def set_optimal_covariance(self, data: Batches, *, batch_size: int = 256) -> VaLLA:
+        """Closed-form q(u) for fixed Z and hyperparameters (VaLLA Prop. 2 / Titsias 2009):
+        S_v = (I + sum_n A_n Lambda_n A_n^T)^-1, A_n = L_K^-1 K_{Z n}, Lambda_n the likelihood's
+        Hessian at f(x_n; theta*). For a Gaussian likelihood and alpha = 0 this is the exact
+        optimum of the ELBO (equal to the exact LLA posterior when Z = X); for other
+        likelihoods it is the sparse Laplace-GGN covariance, a good starting point. One pass
+        over the data, O(N M^2 C^2)."""
+        self._require_init()
+        with torch.no_grad():
+            chol_k = self._cholesky(self._kzz())
+            prec = torch.eye(chol_k.shape[0], dtype=chol_k.dtype)
+            likelihood = self.likelihood
+            if self.task == "regression":
+                likelihood = get_likelihood("regression", sigma_noise=self.log_sigma.exp())
+            for x, _ in as_batches(data, batch_size=batch_size):
+                k_zx, k_xx = self._batch_kernels(x)
+                b, c = k_xx.shape[:2]
+                a = torch.linalg.solve_triangular(chol_k, k_zx, upper=False).reshape(-1, b, c)
+                sqrt = likelihood.hessian_sqrt(model_outputs(self.model, x))  # (B, C, C)
+                rows = torch.einsum("mbc,bck->bkm", a, sqrt).reshape(-1, a.shape[0])
+                prec += rows.T @ rows
+            # S_v = prec^-1 (M C x M C, small), then its lower Cholesky factor
+            chol_v = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(prec)))
+            raw = torch.tril(chol_v, -1) + torch.diag_embed(chol_v.diagonal().log())
+            self.chol_raw.copy_(raw)
+        return self
+
+    def _batches_forever(self, data: Batches) -> Iterator[tuple[Tensor, Tensor]]:
+        batches = as_batches(data, batch_size=self.batch_size, shuffle=True, generator=self._gen)
+        while True:
+            yield from batches
+
+    def validation_nll(self, data: Batches, *, batch_size: int = 256) -> float:
+        """Mean negative predictive log-likelihood on ``data`` (the early-stopping score)."""
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for x, y in as_batches(data, batch_size=batch_size):
+                total -= float(self.predict(x).log_prob(y).sum())
+                count += x.shape[0]
+        return total / max(count, 1)
+
+    def fit(
+        self,
+        train_data: Batches,
+        val_data: Batches | None = None,
+        *,
+        patience: int | None = None,
+        eval_every: int | None = None,
+        method: Method = "sgd",
+        init: Init = "prior",
+        progress: bool = False,
+    ) -> VaLLA:
+        """Fit q(u) (and the hyperparameters / inducing inputs that are learned).
+
+        ``method="sgd"``: Adam on minibatches of ``train_data``; ``init="closed_form"`` starts
+        from :meth:`set_optimal_covariance`. ``val_data``: scored (mean predictive NLL) every
+        ``eval_every`` steps (default once per epoch); with ``patience`` training stops after
+        that many evaluations without improvement and the best state is restored (VaLLA
+        App. C). ``method="closed_form"``: only :meth:`set_optimal_covariance`.
+        """
+        if patience is not None and val_data is None:
+            raise ValueError("val_data: early stopping (patience) needs validation data")
+        if patience is not None and (not isinstance(patience, int) or patience < 1):
+            raise ValueError(f"patience: must be a positive integer or None, got {patience!r}")
+        if method not in ("sgd", "closed_form"):
+            raise ValueError(f"method: expected 'sgd' or 'closed_form', got {method!r}")
+        if init not in ("prior", "closed_form"):
+            raise ValueError(f"init: expected 'prior' or 'closed_form', got {init!r}")
+        self.initialize(train_data)
+        if method == "closed_form" or init == "closed_form":
+            self.set_optimal_covariance(train_data, batch_size=self.batch_size)
+        if method == "closed_form":
+            return self
+        steps_per_epoch = math.ceil(self.num_data / self.batch_size)
+        total = self.epochs * steps_per_epoch
+        if self.max_steps is not None:
+            total = min(total, self.max_steps)
+        self._total_steps, self._step_count = total, 0
+        every = eval_every or steps_per_epoch
+        best, best_state, bad = math.inf, None, 0
+        iterator = self._batches_forever(train_data)
+        steps = range(total)
+        if progress:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="VaLLA", unit="step")
+        self.history = {"objective": [], "val_nll": []}
+        for i in steps:
+            x, y = next(iterator)
+            self.history["objective"].append(self.step(x, y))
+            if val_data is not None and ((i + 1) % every == 0 or i + 1 == total):
+                score = self.validation_nll(val_data)
+                self.history["val_nll"].append(score)
+                if score < best:
+                    best, bad = score, 0
+                    best_state = copy.deepcopy(self._variational_state())
+                else:
+                    bad += 1
+                    if patience is not None and bad >= patience:
+                        break
+        if patience is not None and best_state is not None:
+            self._load_variational_state(best_state)
+        return self
+
+    def _trainable(self) -> list[Tensor]:
+        """The leaves the optimiser updates: L_v always; prior, noise and Z when learned."""
+        leaves = [self.log_prior, self.log_sigma, self.inducing_points]
+        if self.optimizer == "adam":
+            leaves.append(self.chol_raw)
+        return [t for t in leaves if t.requires_grad]
+
+    def _variational_state(self) -> dict[str, Tensor]:
+        return {
+            "chol_raw": self.chol_raw.detach().clone(),
+            "log_prior": self.log_prior.detach().clone(),
+            "log_sigma": self.log_sigma.detach().clone(),
+            "inducing_points": self.inducing_points.detach().clone(),
+        }
+
+    def _load_variational_state(self, state: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in state.items():
+                getattr(self, name).copy_(value)
+        self._refresh_cache()
+
+    # ------------------------------------------------------------------ prediction
+    def predict(
+        self,
+        x: Tensor,
+        link: LinkName = "probit",
+        *,
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+        chunk_size: int = 256,
+    ) -> Predictive:
+        """Predictive at ``x (N, ...)``: N(f(x; theta*), Sigma(x, x)) (eq. 17) through the
+        likelihood (regression adds the noise; classification uses ``link``)."""
+        self._require_init()
+        with torch.no_grad():
+            chol_k = self._cholesky(self._kzz())
+            chol_v = self.chol_v
+            means, covs = [], []
+            for sl in chunk_slices(x.shape[0], chunk_size):
+                means.append(model_outputs(self.model, x[sl]))
+                covs.append(self._cov_blocks(x[sl], chol_k, chol_v))
+        noise = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        return predictive_from_gaussian(
+            torch.cat(means),
+            torch.cat(covs),
+            self.task,
+            link=link,
+            noise_var=noise,
+            num_samples=num_samples,
+            generator=generator,
+        )
+
+    @property
+    def inducing_covariance(self) -> Tensor:
+        """S_u = L_K S_v L_K^T (MC, MC), the covariance of q(u) at the inducing outputs."""
+        self._require_init()
+        with torch.no_grad():
+            chol_k = self._cholesky(self._kzz())
+            factor = chol_k @ self.chol_v
+            return factor @ factor.T
+
+    @property
+    def kernel_zz(self) -> Tensor:
+        """K_ZZ (MC, MC), the prior covariance of the inducing outputs."""
+        self._require_init()
+        with torch.no_grad():
+            return self._kzz()
+
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Weight samples from q(theta) = N(theta*, Sigma_theta), (S, P), by pathwise
+        conditioning: theta = theta* + e - P0^-1 J_Z^T K_ZZ^-1 (J_Z e - u), e ~ N(0, P0^-1),
+        u ~ N(0, S_u); its covariance is P0^-1 - P0^-1 J_Z^T K^-1 (K - S_u) K^-1 J_Z P0^-1."""
+        self._require_init()
+        with torch.no_grad():
+            z = self.inducing_points.detach()
+            prior = self._prior_vec()
+            chol_k = self._cholesky(self._kzz())
+            dtype = self.theta_star.dtype
+            e = torch.randn(num_samples, prior.shape[0], generator=generator, dtype=dtype)
+            e = e / prior.sqrt()
+            xi = torch.randn(num_samples, chol_k.shape[0], generator=generator, dtype=dtype)
+            u = xi @ (chol_k @ self.chol_v).T
+            # J_Z e and J_Z^T w by jvp / vjp: no (MC, P) Jacobian is needed
+            jz_e = batched_jvp(self.model, z, self.subset, e).reshape(num_samples, -1)
+            sol = torch.cholesky_solve((jz_e - u).T, chol_k).T  # (S, MC)
+            back = batched_vjp(
+                self.model, z, self.subset, sol.reshape(num_samples, *z.shape[:1], -1)
+            )
+            return self.theta_star + e - back / prior
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The variational and hyperparameters plus theta* and N (plain tensors and numbers,
+        loadable with ``torch.load(..., weights_only=True)``); the network itself is not
+        included (save it separately)."""
+        self._require_init()
+        state: dict[str, Any] = {k: v for k, v in self._variational_state().items()}
+        state.update(
+            theta_star=self.theta_star,
+            num_data=self.num_data,
+            subset=list(self.subset.names),
+            alpha=self.alpha,
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` into a VaLLA over the same model."""
+        if list(state["subset"]) != list(self.subset.names):
+            raise ValueError(
+                f"state: was saved for the parameters {list(state['subset'])}, this posterior "
+                f"covers {list(self.subset.names)}"
+            )
+        self.theta_star = state["theta_star"]
+        self.num_data = int(state["num_data"])
+        self.alpha = float(state["alpha"])
+        z = state["inducing_points"]
+        self.inducing_points = z.clone().requires_grad_(self.learn_inducing)
+        self.chol_raw = state["chol_raw"].clone().requires_grad_(True)
+        self.log_prior = state["log_prior"].clone().requires_grad_(self.learn_prior)
+        self.log_sigma = state["log_sigma"].clone().requires_grad_(self.learn_noise)
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._initialised = True
+        self._refresh_cache()
+        trainable = self._trainable()
+        self._optimizer = torch.optim.Adam(trainable, lr=self.lr) if trainable else None
+        self._step_count, self._total_steps = 0, None

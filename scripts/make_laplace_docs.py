@@ -113,6 +113,8 @@ def uci_table(res: dict[str, Any]) -> str:
         f"({cfg.get('n_jobs', 1)} process(es)). Accuracy and ECE are in the JSON.",
     ]
     lines += [f"Note: {n}" for n in res.get("notes", []) if "not available" in n]
+    if "runtime_note" in res:
+        lines.append(f"Runtime: {res['runtime_note']}")
     return "\n".join(lines)
 
 

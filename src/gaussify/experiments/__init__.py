@@ -7,6 +7,7 @@ gaussify.experiments.<name>`` runs cleanly.
 
 * ``uci_classification``: Immer, Korzepa & Bauer (2021), Table 1 (App. B.3 protocol).
 * ``marglik_selection``: Immer thesis Sec. 5.1 (Fig. 5.3), evidence vs prior and width.
+* ``vbll_uci``, ``vbll_classification``: Harrison et al. (VBLL), Table 2 and image sets.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXPERIMENTS: tuple[str, ...] = ("uci_classification", "marglik_selection")
+EXPERIMENTS: tuple[str, ...] = (
+    "uci_classification",
+    "marglik_selection",
+    "vbll_uci",
+    "vbll_classification",
+)
 
 __all__ = ["EXPERIMENTS", "get"]
 

@@ -16,10 +16,12 @@ parameters with a Gaussian likelihood, log Z is then the exact evidence at any t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
-__all__ = ["gaussian_log_likelihood", "laplace_log_evidence"]
+__all__ = ["gaussian_log_likelihood", "laplace_log_evidence", "optimize_hyperparameters"]
 
 
 def gaussian_log_likelihood(
@@ -58,3 +60,26 @@ def laplace_log_evidence(
         return value
     b = grad_log_lik - prior_vec * theta
     return value + 0.5 * (b * solve(b)).sum()  # type: ignore[operator]
+
+
+def optimize_hyperparameters(
+    log_marglik: Callable[[Tensor, Tensor], Tensor],
+    prior_init: Tensor,
+    sigma_init: Tensor,
+    *,
+    tune_noise: bool,
+    n_steps: int,
+    lr: float,
+) -> tuple[Tensor, Tensor]:
+    """Adam on the log prior precision (any shape) and log noise maximising
+    ``log_marglik(prior, sigma)``; returns the optimised (prior, sigma), detached."""
+    log_prior = prior_init.log().clone().requires_grad_(True)
+    log_sigma = sigma_init.log().clone().requires_grad_(tune_noise)
+    params = [log_prior] + ([log_sigma] if tune_noise else [])
+    opt = torch.optim.Adam(params, lr=lr)
+    for _ in range(n_steps):
+        opt.zero_grad()
+        loss = -log_marglik(log_prior.exp(), log_sigma.exp())
+        loss.backward()
+        opt.step()
+    return log_prior.detach().exp(), log_sigma.detach().exp()

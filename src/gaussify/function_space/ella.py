@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import gaussian_log_likelihood
-from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS, optimize_hyperparameters
+from gaussify.evidence import gaussian_log_likelihood, optimize_hyperparameters
+from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian

@@ -31,7 +31,6 @@ up to a few thousand; ``num_data_subset`` conditions on a random subset of the d
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -40,6 +39,7 @@ from torch import Tensor, nn
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.evidence import optimize_hyperparameters
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
 from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
@@ -50,7 +50,6 @@ __all__ = [
     "gp_log_evidence",
     "gp_log_evidence_pseudo_targets",
     "gp_predictive_cov",
-    "optimize_hyperparameters",
 ]
 
 Granularity = Literal["scalar", "layer"]
@@ -135,29 +134,6 @@ def gp_predictive_cov(k_test: Tensor, k_cross: Tensor, lam_sqrt: Tensor, chol: T
     z = torch.linalg.solve_triangular(chol, v, upper=False).reshape(n * c, s, c)
     cov = k_test - torch.einsum("ksi,ksj->sij", z, z)
     return 0.5 * (cov + cov.transpose(-1, -2))
-
-
-def optimize_hyperparameters(
-    log_marglik: Callable[[Tensor, Tensor], Tensor],
-    prior_init: Tensor,
-    sigma_init: Tensor,
-    *,
-    tune_noise: bool,
-    n_steps: int,
-    lr: float,
-) -> tuple[Tensor, Tensor]:
-    """Adam on the log prior precision (any shape) and log noise maximising
-    ``log_marglik(prior, sigma)``; returns the optimised (prior, sigma), detached."""
-    log_prior = prior_init.log().clone().requires_grad_(True)
-    log_sigma = sigma_init.log().clone().requires_grad_(tune_noise)
-    params = [log_prior] + ([log_sigma] if tune_noise else [])
-    opt = torch.optim.Adam(params, lr=lr)
-    for _ in range(n_steps):
-        opt.zero_grad()
-        loss = -log_marglik(log_prior.exp(), log_sigma.exp())
-        loss.backward()
-        opt.step()
-    return log_prior.detach().exp(), log_sigma.detach().exp()
 
 
 def _collect(data: Batches, batch_size: int) -> tuple[Tensor, Tensor]:

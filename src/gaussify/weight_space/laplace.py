@@ -33,7 +33,11 @@ from gaussify.curvature.lastlayer import (
     lastlayer_vjp,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import gaussian_log_likelihood, laplace_log_evidence
+from gaussify.evidence import (
+    gaussian_log_likelihood,
+    laplace_log_evidence,
+    optimize_hyperparameters,
+)
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.predictive import (
     LinkName,
@@ -383,23 +387,18 @@ class Laplace:
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.numels))])
         else:
             start = init.clone()
-        log_prior = start.log().clone().requires_grad_(True)
-        log_sigma = self.sigma_noise.log().clone().requires_grad_(tune_noise)
-        params = [log_prior] + ([log_sigma] if tune_noise else [])
-        opt = torch.optim.Adam(params, lr=lr)
-        for _ in range(n_steps):
-            opt.zero_grad()
-            prior = log_prior.exp()
-            loss = -self.log_marginal_likelihood(
-                prior.squeeze(0) if granularity == "scalar" else prior, log_sigma.exp()
+
+        def objective(prior: Tensor, sigma: Tensor) -> Tensor:
+            return self.log_marginal_likelihood(
+                prior.squeeze(0) if granularity == "scalar" else prior, sigma
             )
-            loss.backward()
-            opt.step()
-        self.prior_precision = log_prior.detach().exp()
-        if granularity == "scalar":
-            self.prior_precision = self.prior_precision.squeeze(0)
+
+        prior, sigma = optimize_hyperparameters(
+            objective, start, self.sigma_noise, tune_noise=tune_noise, n_steps=n_steps, lr=lr
+        )
+        self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior
         if tune_noise:
-            self.sigma_noise = log_sigma.detach().exp()
+            self.sigma_noise = sigma
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
         self._posterior = None
         return self

@@ -1,5 +1,7 @@
-"""Posteriors over the network weights: Laplace-GGN (and, later, natural-gradient VI)."""
+"""Posteriors over the network weights: Laplace-GGN and natural-gradient VI with the GGN."""
 
+from gaussify.weight_space.glm_vi import GLMVI
 from gaussify.weight_space.laplace import Laplace
+from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN, NaturalGradientVI
 
-__all__ = ["Laplace"]
+__all__ = ["GLMVI", "LGVA", "OGGN", "VOGGN", "Laplace", "NaturalGradientVI"]

@@ -106,6 +106,13 @@ def _demo(args: argparse.Namespace) -> int:
             "log_marginal_likelihood": float(la.log_marginal_likelihood()),
         }
 
+    from gaussify.experiments.vbll_classification import demo_vbll
+
+    body = model[:-1]  # the MAP network without its output layer: the features of a VBLL head
+    name, vbll_probs = demo_vbll(ds, body, mode="posthoc", seed=args.seed, progress=True)
+    results[name] = metrics.classification_metrics(vbll_probs, ds.y_test)
+    diagrams[name] = metrics.reliability_diagram(vbll_probs, ds.y_test)
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     figure = plot_reliability(
@@ -147,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     p_data = sub.add_parser("datasets", help="list the bundled offline datasets")
     p_data.set_defaults(func=_datasets)
     p_demo = sub.add_parser(
-        "demo", help="MAP + Laplace on a bundled dataset: metrics, figure, JSON"
+        "demo", help="MAP, Laplace and VBLL on a bundled dataset: metrics, figure, JSON"
     )
     p_demo.add_argument("--dataset", default=DEMO_DATASET, help="a classification dataset name")
     p_demo.add_argument("--epochs", type=int, default=60)

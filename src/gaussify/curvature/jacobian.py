@@ -450,7 +450,12 @@ def _linear_traces(
     usable = [
         m
         for m, calls in captured.items()
-        if len(calls) == 1 and calls[0][0].ndim == 2 and calls[0][1].requires_grad
+        # one row per sample: a layer run on reshaped inputs (e.g. both members of a pair
+        # stacked into 2N rows, or tokens) mixes rows across samples and takes the generic path
+        if len(calls) == 1
+        and calls[0][0].ndim == 2
+        and calls[0][0].shape[0] == f.shape[0]
+        and calls[0][1].requires_grad
     ]
     if not usable or not f.requires_grad:
         return f.detach(), u, []

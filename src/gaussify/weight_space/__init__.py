@@ -3,5 +3,16 @@
 from gaussify.weight_space.glm_vi import GLMVI
 from gaussify.weight_space.laplace import Laplace
 from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN, NaturalGradientVI
+from gaussify.weight_space.reward import BradleyTerry, predict_reward, preference_pairs
 
-__all__ = ["GLMVI", "LGVA", "OGGN", "VOGGN", "Laplace", "NaturalGradientVI"]
+__all__ = [
+    "GLMVI",
+    "LGVA",
+    "OGGN",
+    "VOGGN",
+    "BradleyTerry",
+    "Laplace",
+    "NaturalGradientVI",
+    "predict_reward",
+    "preference_pairs",
+]

@@ -1,7 +1,13 @@
 """One way to iterate ``(x, y)`` batches, whatever the user passes.
 
 Every ``fit`` in the library accepts a ``torch.utils.data.DataLoader`` (any iterable of
-``(x, y)`` pairs), or a tuple ``(x, y)`` of tensors, which is split into batches here.
+``(x, y)`` pairs, or of dict batches as Hugging Face collators make them), or a tuple
+``(x, y)`` of tensors, which is split into batches here.
+
+A dict batch ``{"input_ids": x, "labels": y, ...}`` is read with the keys
+:data:`INPUT_KEY` / :data:`LABEL_KEY`; wrap the loader in :class:`DictBatches` to choose other
+keys. The model is then called on ``batch[input_key]`` (one tensor); a model taking several
+named inputs is wrapped so that they arrive stacked in one tensor.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
-__all__ = ["Batches", "as_batches", "num_examples"]
+__all__ = ["INPUT_KEY", "LABEL_KEY", "Batches", "DictBatches", "as_batches", "num_examples"]
+
+INPUT_KEY = "input_ids"
+LABEL_KEY = "labels"
 
 Batches: TypeAlias = "Iterable[tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]"
 
@@ -43,7 +52,9 @@ def as_batches(
         raise TypeError(
             f"data: expected a DataLoader or an (x, y) tuple, got {type(data).__name__}"
         )
-    return data
+    if isinstance(data, DictBatches):
+        return data
+    return DictBatches(data)
 
 
 def num_examples(data: Batches) -> int:
@@ -54,6 +65,42 @@ def num_examples(data: Batches) -> int:
     if dataset is not None and hasattr(dataset, "__len__"):
         return len(dataset)
     return sum(int(x.shape[0]) for x, _ in as_batches(data))
+
+
+class DictBatches:
+    """Iterate ``(x, y)`` pairs over a loader of ``(x, y)`` pairs or of dict batches, taking
+    ``x = batch[input_key]`` and ``y = batch[label_key]`` from a dict (other keys are ignored).
+    """
+
+    def __init__(
+        self, loader: Iterable[Any], input_key: str = INPUT_KEY, label_key: str = LABEL_KEY
+    ) -> None:
+        self.loader, self.input_key, self.label_key = loader, input_key, label_key
+        self.dataset = getattr(loader, "dataset", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for batch in self.loader:
+            if isinstance(batch, dict):
+                missing = [k for k in (self.input_key, self.label_key) if k not in batch]
+                if missing:
+                    raise KeyError(
+                        f"data: a dict batch lacks {missing}; it has {sorted(batch)}. Pass "
+                        "DictBatches(loader, input_key=..., label_key=...) to name the keys"
+                    )
+                x, y = batch[self.input_key], batch[self.label_key]
+            else:
+                try:
+                    x, y = batch
+                except (TypeError, ValueError):
+                    raise TypeError(
+                        "data: expected batches of (x, y) or dicts with input and label keys, "
+                        f"got {type(batch).__name__}"
+                    ) from None
+            _check_pair(x, y)
+            yield x, y
 
 
 class _TensorBatches:

@@ -129,7 +129,10 @@ class Predictive:
     classification (softmax) and binary (per-output sigmoid) tasks. Optionally ``noise_cov
     (C, C)``, a full regression noise covariance (correlated outputs, e.g. VBLL regression,
     Harrison et al. 2024 eq. 17): when set, ``noise_var`` must be its diagonal, ``cov`` adds
-    the full matrix and ``log_prob`` is the joint multivariate Gaussian density.
+    the full matrix and ``log_prob`` is the joint multivariate Gaussian density. ``joint_cov
+    (N C, N C)``, when a joint predictive was asked for, is the covariance of the latent
+    function across all test points and outputs (row ``n * C + c``); its diagonal blocks are
+    ``f_cov``.
     """
 
     task: str
@@ -139,6 +142,7 @@ class Predictive:
     noise_var: Tensor | None = None
     probs: Tensor | None = None
     noise_cov: Tensor | None = None
+    joint_cov: Tensor | None = None
 
     @property
     def f_var(self) -> Tensor:

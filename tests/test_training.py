@@ -8,7 +8,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from torch import nn
 
-from gaussify.training import log_prior, train_map
+from gaussify.training import GaussianLogPrior, log_prior, train_map
 
 
 def _regression(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +77,32 @@ def test_log_prior_granularities() -> None:
     expected = -0.5 * (2.0 * theta2[0] + 3.0 * theta2[1])
     torch.testing.assert_close(log_prior(model, per_tensor), expected)
     torch.testing.assert_close(log_prior(model, 2.0), -0.5 * 2.0 * (theta2[0] + theta2[1]))
+
+
+def test_cached_log_prior_reads_the_live_parameters() -> None:
+    # built once per train_map call: must equal -1/2 sum_p delta_p theta_p^2 at the current
+    # weights (not those at construction) and give the gradient -delta * theta
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    numels = torch.tensor([q.numel() for q in model.parameters()])
+    p = int(numels.sum())
+    per_tensor = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    per_param = torch.linspace(0.5, 2.0, p, dtype=torch.float64)
+    cases = [
+        (2.0, torch.full((p,), 2.0, dtype=torch.float64)),
+        (per_tensor, per_tensor.repeat_interleave(numels)),
+        (per_param, per_param),
+    ]
+    for prior, delta in cases:
+        term = GaussianLogPrior(model, prior)
+        with torch.no_grad():
+            for q in model.parameters():
+                q.add_(0.1)
+        theta = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+        value = term()
+        torch.testing.assert_close(value, -0.5 * (delta * theta.square()).sum())
+        grads = torch.autograd.grad(value, list(model.parameters()))
+        torch.testing.assert_close(torch.cat([g.reshape(-1) for g in grads]), -delta * theta)
 
 
 def test_bad_arguments() -> None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.subset import select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
-from gaussify.training import log_prior
+from gaussify.training import GaussianLogPrior
 from gaussify.weight_space.laplace import Laplace, Structure
 
 __all__ = ["MarglikHistory", "marglik_training"]
@@ -98,7 +98,8 @@ def marglik_training(
         epoch_iter = tqdm(epoch_iter, desc="marglik training", unit="epoch")
     for epoch in epoch_iter:
         model.train()
-        delta = _prior(log_delta, prior_structure)
+        # the weight steps see delta as a constant: build the prior term once per epoch
+        prior_term = GaussianLogPrior(model, _prior(log_delta, prior_structure).detach())
         delta_subset = _prior(log_delta, prior_structure, in_subset).detach()
         sigma = log_sigma.detach().exp()
         batch_lik = get_likelihood("regression", sigma_noise=sigma) if regression else lik
@@ -106,7 +107,7 @@ def marglik_training(
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
             nll = -batch_lik.log_prob(model(x), y).mean()
-            loss = nll - log_prior(model, delta) / n_data
+            loss = nll - prior_term() / n_data
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"marglik_training: loss became {loss.item()}")
             loss.backward()

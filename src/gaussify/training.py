@@ -22,7 +22,7 @@ from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
 
-__all__ = ["TrainHistory", "log_prior", "train_map"]
+__all__ = ["GaussianLogPrior", "TrainHistory", "log_prior", "train_map"]
 
 
 @dataclass
@@ -38,12 +38,38 @@ def log_prior(model: nn.Module, prior_precision: float | Tensor) -> Tensor:
     """log N(theta | 0, diag(delta)^-1) up to its constant: -0.5 sum_p delta_p theta_p^2.
 
     ``prior_precision`` is a scalar, one value per parameter tensor, or one per parameter.
+    (Resolves the parameters and expands the prior on every call; loops use
+    :class:`GaussianLogPrior`, which does that once.)
     """
-    subset = select_parameters(model, "all")
-    named = dict(model.named_parameters())
-    theta = torch.cat([named[n].reshape(-1) for n in subset.names])
-    delta = expand_prior(prior_precision, subset).to(theta)
-    return -0.5 * (delta * theta.square()).sum()
+    return GaussianLogPrior(model, prior_precision)()
+
+
+class GaussianLogPrior:
+    """-0.5 sum_p delta_p theta_p^2 over the trainable parameters of ``model``, with the
+    parameter list and the prior expanded to per-tensor shapes once, so that a training step
+    pays only the sum of squares (the parameters are read live at every call)."""
+
+    def __init__(self, model: nn.Module, prior_precision: float | Tensor) -> None:
+        subset = select_parameters(model, "all")
+        named = dict(model.named_parameters())
+        self.params = [named[n] for n in subset.names]
+        dtype = self.params[0].dtype
+        prior = check_prior(prior_precision)
+        self.scalar: Tensor | None = None
+        self.deltas: list[Tensor] = []
+        if prior.numel() == 1:
+            self.scalar = prior.reshape(()).to(dtype)
+        else:
+            delta = expand_prior(prior, subset).to(dtype)
+            chunks = torch.split(delta, list(subset.numels))
+            self.deltas = [c.view(s) for c, s in zip(chunks, subset.shapes, strict=True)]
+
+    def __call__(self) -> Tensor:
+        if self.scalar is not None:
+            total = torch.stack([p.square().sum() for p in self.params]).sum()
+            return -0.5 * self.scalar * total
+        pairs = zip(self.deltas, self.params, strict=True)
+        return -0.5 * torch.stack([(d * p.square()).sum() for d, p in pairs]).sum()
 
 
 def train_map(
@@ -75,7 +101,7 @@ def train_map(
         raise ValueError(f"optimizer: expected 'adam' or 'sgd', got {optimizer!r}")
     if scheduler not in ("cosine", "none"):
         raise ValueError(f"scheduler: expected 'cosine' or 'none', got {scheduler!r}")
-    prior = check_prior(prior_precision)
+    prior_term = GaussianLogPrior(model, prior_precision)  # built once, not every step
     lik = get_likelihood(likelihood, sigma_noise=sigma_noise)
     generator = None
     if seed is not None:
@@ -106,7 +132,7 @@ def train_map(
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
             nll = -lik.log_prob(model(x), y).sum()
-            loss = nll / x.shape[0] - log_prior(model, prior) / n_data
+            loss = nll / x.shape[0] - prior_term() / n_data
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"train_map: loss became {loss.item()} at epoch {epoch}; "
@@ -121,7 +147,7 @@ def train_map(
         with torch.no_grad():
             mean_nll = total_nll / seen
             history.nll.append(mean_nll)
-            history.loss.append(mean_nll - log_prior(model, prior).item() / n_data)
+            history.loss.append(mean_nll - prior_term().item() / n_data)
         if progress and hasattr(epoch_iter, "set_postfix"):
             epoch_iter.set_postfix(loss=f"{history.loss[-1]:.4f}")
     model.eval()

@@ -135,7 +135,13 @@ class LastLayerPrecision(Protocol):
 
 @runtime_checkable
 class Curvature(Protocol):
-    """A curvature structure accumulated over batches (GGN eq. 2.24 or empirical Fisher)."""
+    """A curvature structure accumulated over batches (GGN eq. 2.24 or empirical Fisher).
+
+    Optional: an attribute ``last_outputs`` = (f, phi or None) of the latest ``update``'s
+    batch (see :class:`GaussNewtonCurvature`); ``Laplace.fit`` then skips its own forward
+    pass on the last-layer path. Structures without it cost one extra forward per batch.
+    ``update`` should be transactional: a batch that raises leaves the state unchanged.
+    """
 
     structure: ClassVar[str]
     subset: ParameterSubset
@@ -353,6 +359,11 @@ class GaussNewtonCurvature:
         self.dtype = reference.dtype
         self.device = reference.device
         self.num_data = 0
+        #: (f (N, C), phi (N, D) or None) of the batch of the latest ``update`` where the
+        #: structure ran a forward pass of its own (f includes the offset, i.e. the outputs
+        #: where Lambda was evaluated), else None; lets a caller that also needs the outputs
+        #: (``Laplace.fit``: log-likelihood and gradient) skip its own forward pass.
+        self.last_outputs: tuple[Tensor, Tensor | None] | None = None
 
     @property
     def num_params(self) -> int:
@@ -380,6 +391,7 @@ class GaussNewtonCurvature:
     # -- batch helpers -------------------------------------------------------------------
 
     def _check_batch(self, model: nn.Module, x: Tensor, y: Tensor) -> None:
+        self.last_outputs = None
         check_eval_mode(model)
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise TypeError("x, y: expected tensors")
@@ -405,8 +417,15 @@ class GaussNewtonCurvature:
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"model: expected outputs of shape (N, C), got {shape}")
+        if not torch.isfinite(f).all():
+            raise ValueError(
+                "x: the model's outputs are NaN or infinite for this batch (check the inputs); "
+                "the accumulated curvature is unchanged"
+            )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
-        return f, None if phi is None else phi.detach()
+        phi = None if phi is None else phi.detach()
+        self.last_outputs = (f, phi)
+        return f, phi
 
     def _draw(self, f: Tensor) -> Tensor | None:
         """Sampled labels (S, N, ...) for the Monte Carlo GGN, drawn in chunks of rows whose
@@ -472,9 +491,12 @@ class GaussNewtonCurvature:
         On the last-layer path from features alone; otherwise per-layer for plain linear
         layers and per-sample ``torch.func`` products for everything else
         (:func:`gaussify.curvature.jacobian.squared_vjp_sum`). With ``out`` (P,) the batch's
-        diagonal is added to it and ``out`` is returned (on the last-layer path in place,
-        without a P-sized temporary).
+        diagonal is added to it and ``out`` is returned. The batch is summed into a P-sized
+        temporary first and added only once it is complete and finite, so a batch that fails
+        (NaN outputs or Jacobians) leaves ``out`` unchanged.
         """
+        batch = torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
+        phi: Tensor | None = None
         if self._layer is not None:
             f, phi = self._forward(model, x, offset)
             if phi is not None:
@@ -486,9 +508,13 @@ class GaussNewtonCurvature:
                     middle = self._factor_diag(
                         f[sl], y[sl], None if draws is None else draws[:, sl]
                     )
-                    out = lastlayer_diag(phi[sl], middle, self._layer, out=out)
-                assert out is not None
-                return out, f, phi, draws
+                    lastlayer_diag(phi[sl], middle, self._layer, out=batch)
+                if not torch.isfinite(batch).all():
+                    raise ValueError(
+                        "x: the batch gives a NaN or infinite curvature (features of the output "
+                        "layer not finite); the accumulated curvature is unchanged"
+                    )
+                return (batch if out is None else out.add_(batch)), f, phi, draws
         held: dict[str, Tensor | None] = {}
 
         def cotangents(f: Tensor) -> Tensor:
@@ -497,10 +523,19 @@ class GaussNewtonCurvature:
             held["draws"] = self._draw(f)
             return self._factor(f, y, held["draws"]).transpose(1, 2)
 
-        diag, f = squared_vjp_sum(
-            model, x, self.subset, cotangents, self.chunk_size, budget=self._chunk_budget(), out=out
+        # squared_vjp_sum raises (naming the parameter) when the sum is not finite
+        batch, f = squared_vjp_sum(
+            model,
+            x,
+            self.subset,
+            cotangents,
+            self.chunk_size,
+            budget=self._chunk_budget(),
+            out=batch,
         )
-        return diag, f if offset is None else f + offset.to(f.dtype), None, held["draws"]
+        f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
+        self.last_outputs = (f, None)
+        return (batch if out is None else out.add_(batch)), f, None, held["draws"]
 
     def _load_num_data(self, state: dict[str, Tensor]) -> None:
         if "num_data" not in state:

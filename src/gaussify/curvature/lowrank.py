@@ -241,18 +241,19 @@ class LowRankGGN(GaussNewtonCurvature):
             )
         self._check_batch(model, x, y)
         offset = check_offset(offset, x.shape[0])
-        if self._model is None:
-            self._model = model
-            self._reference = self.subset.flatten(self.subset.params(model)).clone()
-        elif model is not self._model:
+        if self._model is not None and model is not self._model:
             raise ValueError("model: a low-rank GGN accumulates batches of one model object")
-        else:
-            self._check_unchanged()
+        self._check_unchanged()
+        # Transactional: everything is computed first and the state changes only once the
+        # batch succeeded (``_diag_batch`` adds into ``ggn_diag`` after its own checks).
         if self.use_diag_remainder:
             _, f, phi, draws = self._diag_batch(model, x, y, offset, out=self.ggn_diag)
         else:
             f, phi = self._forward(model, x, offset)
             draws = self._draw(f)
+        if self._model is None:
+            self._model = model
+            self._reference = self.subset.flatten(self.subset.params(model)).clone()
         on_features = phi is not None and self._layer is not None
         self._batches.append(
             _Batch(x=None if on_features else x.detach(), phi=phi, f=f, y=y, draws=draws)
@@ -313,7 +314,7 @@ class LowRankGGN(GaussNewtonCurvature):
         self._check_unchanged()
         p = self.num_params
         if self.rank >= p:
-            ggn = self._dense_ggn()
+            ggn = self._dense_ggn().to(torch.float64)  # float64 like the Lanczos route
             evals, evecs = torch.linalg.eigh(0.5 * (ggn + ggn.T))
             evals, evecs = evals.flip(0).clamp_min(0.0), evecs.flip(1)
         else:

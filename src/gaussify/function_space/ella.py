@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from gaussify import distributed
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
@@ -190,6 +191,7 @@ class ELLA:
         return int(self._proj.shape[1])
 
     # ------------------------------------------------------------------ fitting
+    @distributed.collective("ELLA.fit")
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
         """Choose the landmarks, build the feature map, and accumulate the R x R posterior
         statistics in one pass over ``data`` at the current weights theta*."""
@@ -201,7 +203,7 @@ class ELLA:
                 raise ValueError("landmarks: expected a non-empty tensor of inputs (M, ...)")
         else:
             z = select_landmarks(batches, self.num_landmarks, self.landmarks, self.seed, batch_size)
-        self._z = z
+        self._z = z = distributed.broadcast(z)  # rank 0's landmarks under torch.distributed
         self._prior_fit = self.prior_precision.clone()
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
         with torch.no_grad():
@@ -244,6 +246,8 @@ class ELLA:
             for key, value in part.items():
                 stats[key] = value if key not in stats else stats[key] + value
             num_data += x.shape[0]
+        stats = dict(zip(stats, distributed.all_reduce_sum(*stats.values()), strict=True))
+        num_data = distributed.all_reduce_sum(num_data)
         if num_data == 0:
             raise ValueError("data: contains no examples")
         self._stats = {k: v.to(dtype) for k, v in stats.items()}

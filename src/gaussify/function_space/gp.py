@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from gaussify import distributed
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
@@ -143,7 +144,8 @@ def _collect(data: Batches, batch_size: int) -> tuple[Tensor, Tensor]:
         ys.append(y)
     if not xs:
         raise ValueError("data: contains no examples")
-    return torch.cat(xs), torch.cat(ys)
+    # the GP conditions on every point: gather the shards under torch.distributed
+    return distributed.all_gather_cat(torch.cat(xs), torch.cat(ys))
 
 
 # ---------------------------------------------------------------------- the posterior
@@ -205,6 +207,7 @@ class FunctionalLaplace:
         return prior_t
 
     # ------------------------------------------------------------------ fitting
+    @distributed.collective("FunctionalLaplace.fit")
     def fit(self, data: Batches, *, batch_size: int = 256) -> FunctionalLaplace:
         """Condition the GP on ``data`` (a DataLoader or an ``(x, y)`` pair) at the current
         weights theta*: store the inputs, outputs f(X; theta*), the prior mean offset

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gaussify import distributed
 from gaussify.approx_likelihoods import (
     DEFAULT_GRID,
     AlphaSelection,
@@ -180,6 +181,7 @@ class ExactLastLayer:
             + (-0.5 * whitened.square().sum(-1) - 0.5 * logdet - 0.5 * x.shape[0] * _LOG_2PI).sum()
         )
 
+    @distributed.collective("ExactLastLayer.fit")
     def fit(
         self, data: Batches, batch_size: int = 256, *, progress: bool = False
     ) -> ExactLastLayer:
@@ -193,6 +195,7 @@ class ExactLastLayer:
             batches = tqdm(batches, desc="exact last layer")
         for phi, y in batches:
             self.update(phi, y)
+        distributed.reduce_exact_last_layer(self)  # merge the shards' posteriors (if any)
         return self
 
     def _solve(self) -> tuple[Tensor, Tensor, Tensor]:

@@ -10,12 +10,14 @@ holds state; the math lives in curvature/, predictive.py and evidence.py.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from gaussify import distributed
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature import make_curvature
 from gaussify.curvature.base import LastLayerPrecision
@@ -38,7 +40,7 @@ from gaussify.evidence import (
     laplace_log_evidence,
     optimize_hyperparameters,
 )
-from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -89,39 +91,91 @@ class Laplace:
     ) -> None:
         if structure not in STRUCTURES:
             raise ValueError(f"structure: expected one of {STRUCTURES}, got {structure!r}")
-        if temperature <= 0:
-            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self._posterior: Any = None
+        self._curvature: Any = None
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
         self.structure = structure
         self.subset: ParameterSubset = select_parameters(model, subset)
-        self.temperature = float(temperature)
+        self.temperature = temperature
         self.correction = correction
         self.generator = generator
         self.curvature_options = curvature_options
-        dtype = next(model.parameters()).dtype
-        self.prior_precision = self._validate_prior(prior_precision, dtype)
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self._dtype = next(model.parameters()).dtype
+        self.prior_precision = prior_precision
+        # set directly: a likelihood object passed in keeps its own noise
+        self._sigma_noise = self._validate_sigma(sigma_noise)
         self.mean = self.subset.flatten(self.subset.params(model)).clone()
         self._output_layer = find_output_linear(model, self.subset)
-        self._curvature: Any = None
-        self._posterior: Any = None
 
-    # ------------------------------------------------------------------ fitting
+    # ------------------------------------------------------------------ hyperparameters
+    # Setting any of them drops the cached posterior precision (built lazily from them), so
+    # predict / sample / posterior_* after a change use the new values.
+    @property
+    def prior_precision(self) -> Tensor:
+        """Prior precision P0: a scalar, one per parameter tensor, or one per parameter."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        self._prior_precision = self._validate_prior(value, self._dtype)
+        self._posterior = None
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        """Observation noise sigma of a regression likelihood (scalar or per output)."""
+        return self._sigma_noise
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float | Tensor) -> None:
+        self._sigma_noise = self._validate_sigma(value)
+        if type(self.likelihood) is Gaussian:
+            # keep the likelihood that later fits/refits use in step with the noise
+            self.likelihood = Gaussian(self._sigma_noise)
+        self._posterior = None
+
+    @property
+    def temperature(self) -> float:
+        """Temperature T of the tempered posterior A = G / T + P0."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        if isinstance(value, Tensor):
+            value = float(value.detach())
+        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"temperature: must be a finite number > 0, got {value!r}")
+        self._temperature = float(value)
+        self._posterior = None
+
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
         prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
+    def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
+        sigma_t = torch.as_tensor(sigma, dtype=self._dtype).clone()
+        if sigma_t.ndim > 1:
+            raise ValueError(
+                f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma_t.shape)}"
+            )
+        if not torch.isfinite(sigma_t).all() or (sigma_t <= 0).any():
+            raise ValueError(f"sigma_noise: must be finite and > 0, got {sigma_t}")
+        return sigma_t
+
+    # ------------------------------------------------------------------ fitting
+
+    @distributed.collective("Laplace.fit")
     def fit(self, data: Batches, *, batch_size: int = 256, progress: bool = False) -> Laplace:
         """Accumulate the curvature, log-likelihood and its gradient over ``data`` at the
         current weights theta* (the expansion point and posterior mean)."""
         self.model.eval()
-        self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
-        self.mean = self.theta_star.clone()
-        self._sigma_fit = self.sigma_noise.clone()
+        theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        # a fit that raises (e.g. NaN data) leaves the previous fit's state untouched: the
+        # statistics go to a new curvature that replaces the old one only at the end
         self._accumulate(as_batches(data, batch_size=batch_size), None, progress)
+        self.theta_star, self.mean = theta_star, theta_star.clone()
         return self
 
     def _accumulate(self, batches: Any, shift: Tensor | None, progress: bool = False) -> None:
@@ -146,43 +200,106 @@ class Laplace:
 
             iterator = tqdm(batches, desc=f"Laplace fit ({self.structure})", unit="batch")
         for x, y in iterator:
-            f, offset, phi = self._linearised_outputs(x, shift)
-            if offset is None:
+            if shift is None:
+                # One forward pass besides the curvature's own: none on the last-layer path
+                # where the curvature kept its outputs and features, else one forward +
+                # backward that gives f, log p(y | f) and J^T r together.
                 curvature.update(self.model, x, y)
+                f, phi = self._outputs_after_update(curvature, x)
+                if f is None or phi is None:
+                    f, batch_grad = self._outputs_and_gradient(x, y)
+                    log_lik += self.likelihood.log_prob(f, y).sum()
+                    grad += batch_grad
+                else:
+                    log_lik += self._feature_statistics(f, phi, y, grad)
             else:
+                f, offset, phi = self._linearised_outputs(x, shift)
                 curvature.update(self.model, x, y, offset=offset)
-            if phi is not None and self._output_layer is not None:
-                # Feature path: J^T r from phi, added in place; in chunks, so that the
-                # likelihood's (B, C) temporaries (softmax, one-hot, residual) of a many-class
-                # batch stay about as large as the parameter vector.
-                budget = max(self.subset.num_params, MIN_CHUNK_ELEMENTS)
-                for sl in chunk_slices(x.shape[0], max(1, budget // (8 * f.shape[1]))):
-                    log_lik += self.likelihood.log_prob(f[sl], y[sl]).sum()
-                    residual = self.likelihood.residual(f[sl], y[sl])
-                    lastlayer_vjp(phi[sl], residual, self._output_layer, out=grad)
-            else:
-                log_lik += self.likelihood.log_prob(f, y).sum()
-                grad += vjp(self.model, x, self.subset, self.likelihood.residual(f, y))
+                if phi is not None:
+                    log_lik += self._feature_statistics(f, phi, y, grad)
+                else:
+                    log_lik += self.likelihood.log_prob(f, y).sum()
+                    grad += vjp(self.model, x, self.subset, self.likelihood.residual(f, y))
             if self.task == "regression":
                 sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
                 sse = sq if sse is None else sse + sq
             num_data += x.shape[0]
+        # torch.distributed: every statistic above is a sum over data (no-op without a group)
+        distributed.reduce_curvature(curvature)
+        log_lik, grad, sse, num_data = distributed.all_reduce_sum(log_lik, grad, sse, num_data)
         if num_data == 0:
             raise ValueError("data: contains no examples")
         self._curvature = curvature
+        self._sigma_fit = self.sigma_noise.clone()  # the noise the curvature was built with
         self.num_data = num_data
         self._log_lik = log_lik
         self._grad = grad
         self._sse = sse
         self._posterior = None
 
+    def _feature_statistics(self, f: Tensor, phi: Tensor, y: Tensor, grad: Tensor) -> Tensor:
+        """Last-layer path: adds J^T r to ``grad`` in place from the features phi and returns
+        sum_n log p(y_n | f_n); in chunks, so that the likelihood's (B, C) temporaries
+        (softmax, one-hot, residual) of a many-class batch stay about as large as the
+        parameter vector."""
+        assert self._output_layer is not None
+        log_lik = torch.zeros((), dtype=grad.dtype)
+        budget = max(self.subset.num_params, MIN_CHUNK_ELEMENTS)
+        for sl in chunk_slices(f.shape[0], max(1, budget // (8 * f.shape[1]))):
+            log_lik += self.likelihood.log_prob(f[sl], y[sl]).sum()
+            residual = self.likelihood.residual(f[sl], y[sl])
+            lastlayer_vjp(phi[sl], residual, self._output_layer, out=grad)
+        return log_lik
+
+    def _outputs_after_update(
+        self, curvature: Any, x: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """(f, phi) of the batch just added to ``curvature`` on the last-layer feature path:
+        taken from the curvature when it kept them (``last_outputs``), else one forward pass
+        without gradients; (None, None) off the feature path (the caller then needs a forward
+        pass with a graph anyway)."""
+        if not self._feature_path or self._output_layer is None:
+            return None, None
+        kept = getattr(curvature, "last_outputs", None)
+        if kept is not None and kept[1] is not None and kept[0].shape[0] == x.shape[0]:
+            return kept
+        f, phi = self._features(x)
+        return (f, phi) if phi is not None else (None, None)
+
+    def _outputs_and_gradient(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(f (N, C), J^T r (P,)): one forward pass with a ``torch.func.vjp`` pullback, whose
+        outputs give the residual r = d log p(y | f) / df that is pulled back (thesis eq. 2.23)."""
+        named = dict(self.model.named_parameters())
+        params = {n: named[n].detach() for n in self.subset.names}
+        frozen = {n: p.detach() for n, p in named.items() if n not in params}
+
+        def outputs(p: dict[str, Tensor]) -> Tensor:
+            return functional_call(self.model, {**frozen, **p}, (x,))
+
+        f, pullback = torch.func.vjp(outputs, params)
+        if not isinstance(f, Tensor) or f.ndim != 2 or f.shape[0] != x.shape[0]:
+            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+            raise ValueError(f"model: expected outputs of shape (N, C), got {shape}")
+        f = f.detach()
+        (grads,) = pullback(self.likelihood.residual(f, y).to(f.dtype))
+        for name in self.subset.names:
+            if not torch.isfinite(grads[name]).all():
+                raise ValueError(
+                    f"non-finite gradient of the log-likelihood in parameter {name!r}: the "
+                    "outputs or the network's Jacobian are NaN/inf for this batch (check x)"
+                )
+        return f, self.subset.flatten(grads)
+
     def _features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """f(x; theta*) (N, C) and, on the last-layer feature path, the inputs phi (N, D) of
         the output layer (None otherwise)."""
         layer = self._output_layer if self._feature_path else None
-        with torch.no_grad():
+        # differentiable in x when x requires grad (input gradients, e.g. BO acquisitions)
+        with torch.set_grad_enabled(x.requires_grad):
             f, phi = forward_with_features(self.model, x, layer)
-        return f, None if phi is None else phi.detach()
+        if not x.requires_grad:
+            return f, None if phi is None else phi.detach()
+        return f, phi
 
     def _linearised_outputs(
         self, x: Tensor, shift: Tensor | None
@@ -198,60 +315,114 @@ class Laplace:
         f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
         return f + offset, offset, None
 
+    @distributed.collective("Laplace.refine")
     def refine(
         self,
         data: Batches,
         *,
         max_iter: int = 50,
-        tol: float = 1e-12,
+        tol: float | None = None,
         batch_size: int = 256,
         progress: bool = False,
     ) -> Laplace:
         """GLM mean refinement (thesis eq. 3.12; Immer et al. 2021, "refine").
 
         Maximise the log joint of the network linearised at theta*,
-        sum_n log p(y_n | f(x_n; theta*) + J_n (theta - theta*)) - 1/2 theta^T P0 theta,
-        by Newton steps with the structured posterior precision (damped by halving when the
-        log joint would decrease; stopped when the Newton decrement b^T A^-1 b / 2 <= ``tol``,
-        after ``max_iter`` steps, or when no step increases the log joint; with an approximate
-        structure such as kron or diag the steps are quasi-Newton and converge linearly),
-        then recompute the posterior there: the GGN with
-        Lambda evaluated at the linearised outputs. The linearisation point stays theta*; the
-        posterior mean becomes the GLM mode mu. For a Gaussian likelihood one step is exact.
+        h(theta) = sum_n log p(y_n | f(x_n; theta*) + J_n (theta - theta*)) - 1/2 theta^T P0 theta,
+        by Newton steps d = A^-1 b (b = grad h) with the structured posterior precision A
+        (with an approximate structure such as kron or diag the steps are quasi-Newton and
+        converge linearly). ``tol`` (default 10 eps of the parameters' dtype) sets the
+        resolution: h is a sum over the data, so changes below ``tol * max(1, |h|)`` are
+        round-off (float32 cannot resolve an absolute 1e-12).
+
+        * While the predicted gain b^T A^-1 b / 2 (the Newton decrement) exceeds that
+          resolution, the step is halved until h strictly increases; if no step length down
+          to 1e-4 does, refinement stops.
+        * Below it h cannot judge a step, but the local quadratic model is accurate: full
+          steps are taken while the decrement keeps decreasing (a step that increases it is
+          undone), so the mode is resolved to the parameters' precision, not only to the
+          objective's (which would leave an error of order sqrt(eps)).
+        * It stops when the step is below ``tol * max(1, max |theta|)`` in every coordinate,
+          or after ``max_iter`` curvature passes.
+
+        The posterior is then the one at the final mean: the GGN with Lambda evaluated at the
+        linearised outputs. The linearisation point stays theta*; the posterior mean becomes
+        the GLM mode mu. For a Gaussian likelihood one step is exact.
         """
         self._require_fit()
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+            raise ValueError(f"max_iter: expected an integer >= 0, got {max_iter!r}")
+        if tol is None:
+            tol = 10 * torch.finfo(self.mean.dtype).eps
+        elif not math.isfinite(tol) or tol < 0:
+            raise ValueError(f"tol: expected a finite number >= 0 or None, got {tol!r}")
         batches = as_batches(data, batch_size=batch_size)
         shift = self.mean - self.theta_star
         prior_vec = expand_prior(self.prior_precision, self.subset).to(self.mean.dtype)
 
-        def log_joint(step: Tensor) -> Tensor:
+        def log_joint(step: Tensor) -> float:
             total = torch.zeros((), dtype=self.mean.dtype)
             for x, y in batches:
                 total += self.likelihood.log_prob(self._linearised_outputs(x, step)[0], y).sum()
             theta = self.theta_star + step
-            return total - 0.5 * (prior_vec * theta.square()).sum()
+            value = distributed.all_reduce_sum(total) - 0.5 * (prior_vec * theta.square()).sum()
+            return float(value)
 
         current = log_joint(shift)
+        previous: tuple[Tensor, float, tuple[Any, ...]] | None = None
         for _ in range(max_iter):
             theta = self.theta_star + shift
             b = self._grad - prior_vec * theta  # gradient of the GLM log joint at theta
             direction = self.posterior.solve(b)
-            # Newton decrement: the predicted gain of the step; stop when it is negligible
-            if 0.5 * float((b * direction).sum()) <= tol:
+            decrement = 0.5 * float((b * direction).sum())  # predicted gain of a full step
+            if previous is not None and not decrement < previous[1]:
+                # the last unverifiable step did not bring the decrement down: undo it
+                shift, _, state = previous
+                self._restore_statistics(state)
                 break
-            step = 1.0
-            while True:
-                candidate = shift + step * direction
-                value = log_joint(candidate)
-                if value >= current or step < 1e-4:
-                    break
-                step /= 2
-            if value < current:
+            step_size = float(direction.abs().max())
+            if decrement <= 0 or step_size <= tol * max(1.0, float(theta.abs().max())):
                 break
-            shift, current = candidate, value
+            if decrement > tol * max(1.0, abs(current)):
+                step, value = 1.0, -math.inf
+                while step >= 1e-4:
+                    candidate = shift + step * direction
+                    value = log_joint(candidate)
+                    if value > current:
+                        break
+                    step /= 2
+                if not value > current:
+                    break  # no step improves h
+                shift, current, previous = candidate, value, None
+            else:
+                previous = (shift, decrement, self._statistics())
+                shift = shift + direction
             self._accumulate(batches, shift, progress)
         self.mean = self.theta_star + shift
         return self
+
+    def _statistics(self) -> tuple[Any, ...]:
+        """What :meth:`_accumulate` sets (to undo a refinement step without a data pass)."""
+        return (
+            self._curvature,
+            self._sigma_fit,
+            self.num_data,
+            self._log_lik,
+            self._grad,
+            self._sse,
+            self._posterior,
+        )
+
+    def _restore_statistics(self, state: tuple[Any, ...]) -> None:
+        (
+            self._curvature,
+            self._sigma_fit,
+            self.num_data,
+            self._log_lik,
+            self._grad,
+            self._sse,
+            self._posterior,
+        ) = state
 
     def _require_fit(self) -> None:
         if self._curvature is None:
@@ -373,7 +544,6 @@ class Laplace:
             with torch.no_grad():
                 scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
             self.prior_precision = values[int(scores.argmax())].clone()
-            self._posterior = None
             return self
         if method != "gradient":
             raise ValueError(f"method: expected 'gradient' or 'grid', got {method!r}")
@@ -399,15 +569,13 @@ class Laplace:
         self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior
         if tune_noise:
             self.sigma_noise = sigma
-            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
-        self._posterior = None
         return self
 
     optimize_prior_precision = optimize_prior
 
     # ------------------------------------------------------------------ prediction
     def _f_star(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
+        with torch.set_grad_enabled(x.requires_grad):
             return self.model(x)
 
     def predict(

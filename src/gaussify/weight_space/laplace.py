@@ -47,6 +47,7 @@ from gaussify.predictive import (
     predictive_from_gaussian,
     predictive_from_samples,
 )
+from gaussify.weight_space.joint import function_samples, joint_predictive
 
 __all__ = ["Laplace"]
 
@@ -63,6 +64,8 @@ class Laplace:
     ``subset``: "all", "last_layer" or a list of parameter/module names.
     ``prior_precision``: scalar, one per parameter tensor, or one per parameter.
     ``correction``: include the non-MAP correction of thesis Thm 3.3 in the evidence.
+    ``prior_mean``: mean m0 of the Gaussian prior N(m0, P0^-1), a scalar or one value per
+    parameter (e.g. the previous task's posterior mean in continual learning); default 0.
     Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)
     go to the curvature structure.
 
@@ -87,6 +90,7 @@ class Laplace:
         *,
         correction: bool = True,
         generator: torch.Generator | None = None,
+        prior_mean: float | Tensor = 0.0,
         **curvature_options: Any,
     ) -> None:
         if structure not in STRUCTURES:
@@ -107,6 +111,7 @@ class Laplace:
         # set directly: a likelihood object passed in keeps its own noise
         self._sigma_noise = self._validate_sigma(sigma_noise)
         self.mean = self.subset.flatten(self.subset.params(model)).clone()
+        self.prior_mean = prior_mean
         self._output_layer = find_output_linear(model, self.subset)
 
     # ------------------------------------------------------------------ hyperparameters
@@ -120,6 +125,26 @@ class Laplace:
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
         self._prior_precision = self._validate_prior(value, self._dtype)
+        self._posterior = None
+
+    @property
+    def prior_mean(self) -> Tensor:
+        """Prior mean m0, (P,) in the subset's flattening order."""
+        return self._prior_mean
+
+    @prior_mean.setter
+    def prior_mean(self, value: float | Tensor) -> None:
+        m0 = torch.as_tensor(value, dtype=self._dtype).detach().clone()
+        p = self.subset.num_params
+        if m0.ndim == 0:
+            m0 = m0.expand(p).clone()
+        if m0.shape != (p,):
+            raise ValueError(
+                f"prior_mean: expected a scalar or a ({p},) vector, got shape {tuple(m0.shape)}"
+            )
+        if not torch.isfinite(m0).all():
+            raise ValueError("prior_mean: contains NaN or inf")
+        self._prior_mean = m0
         self._posterior = None
 
     @property
@@ -167,16 +192,58 @@ class Laplace:
     # ------------------------------------------------------------------ fitting
 
     @distributed.collective("Laplace.fit")
-    def fit(self, data: Batches, *, batch_size: int = 256, progress: bool = False) -> Laplace:
+    def fit(
+        self,
+        data: Batches,
+        *,
+        batch_size: int = 256,
+        progress: bool = False,
+        reset: bool = True,
+    ) -> Laplace:
         """Accumulate the curvature, log-likelihood and its gradient over ``data`` at the
-        current weights theta* (the expansion point and posterior mean)."""
+        current weights theta* (the expansion point and posterior mean).
+
+        ``reset=False`` adds ``data`` to what earlier fits accumulated instead of replacing
+        it (incremental / online Laplace): G, the data count, the log-likelihood and its
+        gradient are sums over examples, so fitting two halves at the same weights equals one
+        fit on the whole. If the weights moved in between (continual learning), the old
+        terms keep their old expansion point -- the online-Laplace approximation. Needs an
+        additive structure ("full", "diag", "kron"; low-rank stores eigenpairs).
+        """
         self.model.eval()
         theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        previous = None if reset or self._curvature is None else self._statistics()
+        if previous is not None and self.structure == "lowrank":
+            raise ValueError(
+                "reset: an incremental fit (reset=False) needs an additive structure "
+                "('full', 'diag' or 'kron'); 'lowrank' stores eigenpairs"
+            )
         # a fit that raises (e.g. NaN data) leaves the previous fit's state untouched: the
         # statistics go to a new curvature that replaces the old one only at the end
         self._accumulate(as_batches(data, batch_size=batch_size), None, progress)
+        if previous is not None:
+            self._add_statistics(previous)
         self.theta_star, self.mean = theta_star, theta_star.clone()
         return self
+
+    def _add_statistics(self, previous: tuple[Any, ...]) -> None:
+        """Add an earlier fit's sums (from :meth:`_statistics`) to the current ones."""
+        old_curv, old_sigma, old_n, old_log_lik, old_grad, old_sse, _ = previous
+        if self.task == "regression" and not torch.equal(old_sigma, self._sigma_fit):
+            self._restore_statistics(previous)
+            raise ValueError(
+                "reset: sigma_noise changed between incremental fits; the GGN of the earlier "
+                "data was built with the old noise, refit with reset=True"
+            )
+        new_state = self._curvature.state_dict()
+        old_state = old_curv.state_dict()
+        self._curvature.load_state_dict({k: v + old_state[k] for k, v in new_state.items()})
+        self.num_data += old_n
+        self._log_lik = self._log_lik + old_log_lik
+        self._grad = self._grad + old_grad
+        if self._sse is not None and old_sse is not None:
+            self._sse = self._sse + old_sse
+        self._posterior = None
 
     def _accumulate(self, batches: Any, shift: Tensor | None, progress: bool = False) -> None:
         """One pass over the data: curvature, log-likelihood, its gradient and (regression)
@@ -364,7 +431,7 @@ class Laplace:
             total = torch.zeros((), dtype=self.mean.dtype)
             for x, y in batches:
                 total += self.likelihood.log_prob(self._linearised_outputs(x, step)[0], y).sum()
-            theta = self.theta_star + step
+            theta = self.theta_star + step - self.prior_mean
             value = distributed.all_reduce_sum(total) - 0.5 * (prior_vec * theta.square()).sum()
             return float(value)
 
@@ -372,7 +439,8 @@ class Laplace:
         previous: tuple[Tensor, float, tuple[Any, ...]] | None = None
         for _ in range(max_iter):
             theta = self.theta_star + shift
-            b = self._grad - prior_vec * theta  # gradient of the GLM log joint at theta
+            # gradient of the GLM log joint at theta (prior N(m0, P0^-1))
+            b = self._grad - prior_vec * (theta - self.prior_mean)
             direction = self.posterior.solve(b)
             decrement = 0.5 * float((b * direction).sum())  # predicted gain of a full step
             if previous is not None and not decrement < previous[1]:
@@ -501,7 +569,7 @@ class Laplace:
         grad = self._grad * scale
         value = laplace_log_evidence(
             log_lik,
-            self.mean,
+            self.mean - self.prior_mean,  # the prior N(m0, P0^-1) sees theta - m0
             expand_prior(prior, self.subset).to(dtype),
             post.logdet(),
             post.solve,
@@ -587,15 +655,29 @@ class Laplace:
         num_samples: int = 100,
         generator: torch.Generator | None = None,
         chunk_size: int = 256,
+        joint: bool = False,
+        diagonal_output: bool = False,
     ) -> Predictive:
         """Predictive at inputs ``x (N, ...)``.
 
         ``method="glm"``: N(f(x; theta*) + J (mu - theta*), J Sigma J^T), with the link
         approximation ``link`` for classification; ``method="nn"``: ``num_samples`` networks
         with weights drawn from q(theta), sharing weight samples across inputs.
+        ``joint=True`` adds the (N C, N C) covariance across all points and outputs
+        (``Predictive.joint_cov``, see :mod:`gaussify.weight_space.joint`).
+        ``diagonal_output=True`` computes only the C output variances per point (``f_cov``
+        is then diagonal): C instead of C^2 numbers per point, for many-class models.
+        Differentiable in ``x`` when ``x.requires_grad`` (input gradients of the predictive
+        mean and variance, e.g. for Bayesian-optimisation acquisitions).
         """
         self._require_fit()
         noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        if joint:
+            if method != "glm" or diagonal_output:
+                raise ValueError("joint: needs method='glm' and diagonal_output=False")
+            return joint_predictive(
+                self, x, link=link, num_samples=num_samples, generator=generator
+            )
         if method == "nn":
             return predictive_from_samples(
                 self._nn_samples(x, num_samples, generator), self.task, noise_var=noise_var
@@ -612,11 +694,17 @@ class Laplace:
             if phi is not None and layer is not None:
                 # J_n = I_C ⊗ [phi_n, 1]^T: mean and covariance from the features alone.
                 means.append(f + lastlayer_jvp(phi, shift.to(phi.dtype), f.shape[1], layer))
-                covs.append(post.functional_cov_lastlayer(phi, layer))
+                if diagonal_output:
+                    covs.append(torch.diag_embed(post.functional_var_lastlayer(phi, layer)))
+                else:
+                    covs.append(post.functional_cov_lastlayer(phi, layer))
                 continue
             jac = jacobians(self.model, xs, self.subset)
             means.append(f + jac @ shift)
-            covs.append(post.functional_cov(jac))
+            if diagonal_output:
+                covs.append(torch.diag_embed(post.functional_var(jac)))
+            else:
+                covs.append(post.functional_cov(jac))
         return predictive_from_gaussian(
             torch.cat(means),
             torch.cat(covs),
@@ -626,6 +714,19 @@ class Laplace:
             num_samples=num_samples,
             generator=generator,
         )
+
+    def function_samples(
+        self,
+        x: Tensor,
+        num_samples: int = 100,
+        *,
+        method: Literal["glm", "nn"] = "glm",
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Latent function samples ``(S, N, C)`` at ``x`` that share their S weight draws
+        across inputs (smooth sample paths); see
+        :func:`gaussify.weight_space.joint.function_samples`."""
+        return function_samples(self, x, num_samples, method=method, generator=generator)
 
     def _nn_samples(self, x: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
         """Network outputs under sampled weights, (S, N, C)."""
@@ -648,6 +749,7 @@ class Laplace:
             "mean": self.mean,
             "theta_star": self.theta_star,
             "prior_precision": self.prior_precision,
+            "prior_mean": self.prior_mean,
             "sigma_noise": self.sigma_noise,
             "sigma_fit": self._sigma_fit,
             "temperature": self.temperature,
@@ -675,6 +777,7 @@ class Laplace:
         self._curvature = curvature
         self.mean, self.theta_star = state["mean"], state["theta_star"]
         self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
+        self.prior_mean = state.get("prior_mean", 0.0)
         self._sigma_fit = state["sigma_fit"]
         self.temperature, self.num_data = float(state["temperature"]), int(state["num_data"])
         self._log_lik, self._grad = state["log_lik"], state["grad"]

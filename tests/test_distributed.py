@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import gaussify as gs
 from gaussify import distributed
@@ -68,6 +69,11 @@ def _laplace_results(x: Tensor, y: Tensor, yr: Tensor, xt: Tensor) -> dict[str, 
         out[f"{name}.prior"] = la.prior_precision.detach()
         pred = la.predict(xt)
         out[f"{name}.f_cov"], out[f"{name}.probs"] = pred.f_cov, pred.probs
+    full = _data()  # a DataLoader over the whole dataset, sharded by the sampler
+    loader = DataLoader(
+        TensorDataset(full["x"], full["y"]), batch_size=8, sampler=distributed.ShardSampler(N)
+    )
+    out["loader.precision"] = gs.Laplace(_mlp(), structure="kron").fit(loader).posterior_precision
     la = gs.Laplace(_mlp(), "classification", "full", prior_precision=2.0).fit((x, y), batch_size=8)
     la.refine((x, y), max_iter=3, batch_size=8)
     out["refine.mean"] = la.mean
@@ -163,6 +169,8 @@ def _equivalence_task(rank: int) -> dict[str, Any]:
     xe, ye = distributed.shard(d["x"][:44], d["yr"][:44])
     out.update(_vbll_ddp(xe, ye, 44))
     out["shard_size"] = torch.tensor(x.shape[0])
+    with distributed.local():  # opt-out: this rank's data only
+        out["local_n"] = torch.tensor(gs.Laplace(_mlp(), structure="diag").fit((x, y)).num_data)
     stats = distributed.comm_stats()
     out["comm_calls"] = torch.tensor(stats.calls)
     return out
@@ -208,6 +216,7 @@ def test_two_gloo_ranks_equal_one_process(ranks: list[dict[str, Any]]) -> None:
     ref.update(_vbll_ddp(d["x"][:44], d["yr"][:44], 44))
     assert [int(r["shard_size"]) for r in ranks] == [23, 22]  # uneven shards
     assert all(int(r["comm_calls"]) > 0 for r in ranks)
+    assert [int(r["local_n"]) for r in ranks] == [23, 22]
     for key, expected in ref.items():
         for r, result in enumerate(ranks):
             torch.testing.assert_close(result[key], expected, **TOL, msg=f"{key} on rank {r}")

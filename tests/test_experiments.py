@@ -43,12 +43,13 @@ def test_uci_quick_shape(uci: uci_classification.UCIResults) -> None:
     assert cfg["datasets"] == list(uci_classification.QUICK_DATASETS)
     methods = {r["method"] for r in uci.records}
     refined = hasattr(gs.Laplace, "refine")
-    assert methods == set(METHODS if refined else METHODS[:3])
+    expected = {m for m in METHODS if m != "glm_vi" and (refined or m != "glm_refine")}
+    assert methods == expected == set(cfg["methods"]) - ({"glm_refine"} - set(methods))
     n = len(cfg["datasets"]) * len(cfg["splits"]) * cfg["grid_size"] * len(methods)
     assert len(uci.records) == n
     assert len(uci.rows) == len(cfg["datasets"]) * len(METHODS)
     for row in uci.rows:
-        assert row["missing"] == (row["method"] == "glm_refine" and not refined)
+        assert row["missing"] == (row["method"] not in methods)
     if not refined:
         assert uci_classification.REFINE_MISSING_NOTE in uci.notes
 
@@ -132,7 +133,7 @@ def test_paper_table_transcription() -> None:
 
 def test_uci_main_is_deterministic(tmp_path: pytest.TempPathFactory) -> None:
     args = ["--datasets", "glass", "--splits", "1", "--grid-size", "2", "--epochs", "50"]
-    args += ["--num-samples", "20", "--no-progress"]
+    args += ["--num-samples", "20", "--no-progress", "--methods", "glm_laplace", "glm_vi_diag"]
     outputs = []
     for k in range(2):
         path = tmp_path / f"uci{k}.json"  # type: ignore[operator]
@@ -142,9 +143,44 @@ def test_uci_main_is_deterministic(tmp_path: pytest.TempPathFactory) -> None:
     assert outputs[0]["experiment"] == "uci_classification"
 
 
+def test_uci_glm_vi_merge_and_map_cache(tmp_path: pytest.TempPathFactory) -> None:
+    """GLM VI with zero steps is GLM Laplace (q_0 = the Laplace posterior at theta*, same
+    predictive draws); with steps it moves away. A second run with the MAP cache reproduces
+    the MAP bit for bit, and merging adds its methods and re-selects delta per method."""
+    cache = tmp_path / "maps"  # type: ignore[operator]
+    opts = {"datasets": ["glass"], "splits": [0], "grid_size": 2, "epochs": 60}
+    opts |= {"num_samples": 50, "map_cache": cache}
+    base = uci_classification.run(methods=["map", "glm_laplace"], **opts).to_dict()
+    assert len(list(cache.iterdir())) == 2
+    zero = uci_classification.run(methods=["glm_vi", "glm_vi_diag"], vi_steps=0, **opts)
+    lap = {r["delta"]: r["test_nll"] for r in base["records"] if r["method"] == "glm_laplace"}
+    for r in zero.records:
+        if r["method"] == "glm_vi":
+            assert r["test_nll"] == pytest.approx(lap[r["delta"]], rel=1e-5)
+    vi = uci_classification.run(methods=["glm_vi", "glm_vi_diag"], vi_steps=3, **opts)
+    merged = uci_classification.merge(base, vi)
+    assert merged["config"]["merged"]["map_test_nll_diff"] == 0.0
+    assert set(merged["config"]["methods"]) == {"map", "glm_laplace", "glm_vi", "glm_vi_diag"}
+    assert len(merged["records"]) == 2 * 4
+    vi_nll = {r["delta"]: r["test_nll"] for r in vi.records if r["method"] == "glm_vi"}
+    assert any(abs(vi_nll[d] - lap[d]) > 1e-4 for d in lap)
+    for sel in merged["selections"]:
+        group = [
+            r
+            for r in merged["records"]
+            if (r["dataset"], r["split"], r["method"]) == (sel["dataset"], 0, sel["method"])
+        ]
+        assert sel["val_nll"] == min(r["val_nll"] for r in group)
+    rows = {r["method"]: r for r in merged["rows"]}
+    assert rows["glm_vi"]["num_splits"] == 1 and rows["glm_vi"]["paper_nll"] == [0.75, 0.02]
+    assert rows["bnn_laplace"]["missing"]
+
+
 def test_uci_rejects_unknown_dataset() -> None:
     with pytest.raises(ValueError, match="datasets"):
         uci_classification.run(datasets=["no_such_data"])
+    with pytest.raises(ValueError, match="methods"):
+        uci_classification.run(datasets=["glass"], methods=["glm_ep"])
 
 
 # ---------------------------------------------------------------- marglik (thesis Sec. 5.1)

@@ -320,3 +320,182 @@ def test_bad_input_names_the_argument(kwargs: dict, name: str) -> None:
     for cls in (VOGGN, LGVA, OGGN, GLMVI):
         with pytest.raises(ValueError, match=name):
             cls(_mlp(), "regression", **options)
+
+
+# --------------------------------------------------------------------------- diag stability
+
+
+def _mean_field_oracle(x: torch.Tensor, y: torch.Tensor, delta: float) -> tuple[torch.Tensor, ...]:
+    """Mean-field Gaussian VI of Bayesian logistic regression: the fixed point of the diagonal
+    NGVI update, Lambda = P0 + diag(E_q[J^T Lambda J]) and E_q[J^T r] = P0 mu with q = N(mu,
+    diag(Lambda)^-1), by 60-point Gauss-Hermite (the mean by Newton steps on that equation)."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(60)
+    t = torch.tensor(nodes)
+    w = torch.tensor(weights / weights.sum())
+    phi = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    p_dim = phi.shape[1]
+    mu, lam = torch.zeros(p_dim, dtype=x.dtype), torch.full((p_dim,), delta, dtype=x.dtype)
+    for _ in range(200):
+        var = (phi.square() / lam).sum(1)
+        p = torch.sigmoid((phi @ mu)[:, None] + var.sqrt()[:, None] * t)
+        h = (p * (1 - p)) @ w
+        lam = delta + (phi.square() * h[:, None]).sum(0)
+        hess = delta * torch.eye(p_dim, dtype=x.dtype) + (phi * h[:, None]).T @ phi
+        mu = mu + torch.linalg.solve(hess, phi.T @ ((y - p) @ w) - delta * mu)
+    return mu, lam
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [OGGN, pytest.param(LGVA, marks=pytest.mark.slow), pytest.param(VOGGN, marks=pytest.mark.slow)],
+)
+def test_diag_gamma_point_one_reaches_the_mean_field_fixed_point(cls) -> None:
+    """Diagonal NGVI with gamma = 0.1: OGGN converges to the diagonal Laplace-GGN at the MAP
+    (mean = MAP, precision = P0 + diag G(MAP)); LGVA and VOGGN (the same GLM for a linear
+    model) to the mean-field Gaussian-VI optimum (Gauss-Hermite oracle), not to the full one."""
+    x, y = _logistic_data()
+    delta = 1.0
+    model = nn.Linear(2, 1).double()
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    if cls is OGGN:
+        la = gs.Laplace(_map_logistic(x, y, delta), "binary", "diag", prior_precision=delta)
+        la.fit((x, y))
+        vi = OGGN(model, "binary", "diag", delta, lr=0.1)
+        for _ in range(230):
+            vi.step((x, y))
+        assert (vi.mean - la.mean).abs().max() < 1e-5
+        assert (vi.posterior_precision - la.posterior_precision).abs().max() < 1e-5
+        return
+    mu, lam = _mean_field_oracle(x, y, delta)
+    full_mu, _ = _vi_oracle(x, y, delta)
+    assert (mu - full_mu).abs().max() > 1e-2  # mean field is a different optimum
+    vi = cls(model, "binary", "diag", delta, lr=0.1, num_samples=16, antithetic=True, seed=3)
+    means, precs = [], []
+    for step in range(200):
+        vi.step((x, y))
+        if step >= 50:
+            means.append(vi.mean)
+            precs.append(vi.posterior_precision.diagonal())
+    assert (torch.stack(means).mean(0) - mu).abs().max() < 1e-2
+    assert (torch.stack(precs).mean(0) - lam).abs().max() < 1e-2 * lam.max()
+
+
+def _correlated_logistic(d: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logistic data whose d features share one factor (correlation 0.8): the GGN's
+    normalised eigenvalue lambda_max(diag(H)^-1 H) is about 1 + 0.8 (d - 1) = 4.2."""
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(200, 1, generator=g, dtype=torch.float64)
+    x = z + 0.5 * torch.randn(200, d, generator=g, dtype=torch.float64)
+    p = torch.sigmoid(x.sum(1, keepdim=True) * 0.4)
+    return x, (torch.rand(200, 1, generator=g, dtype=torch.float64) < p).double()
+
+
+def _map_linear_logistic(x: torch.Tensor, y: torch.Tensor, delta: float) -> torch.Tensor:
+    phi = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    theta = torch.zeros(phi.shape[1], dtype=x.dtype)
+    for _ in range(50):  # Newton on the strictly concave log joint
+        p = torch.sigmoid(phi @ theta)
+        hess = delta * torch.eye(len(theta), dtype=x.dtype) + (phi * (p * (1 - p))[:, None]).T @ phi
+        theta = theta + torch.linalg.solve(hess, phi.T @ (y[:, 0] - p) - delta * theta)
+    return theta
+
+
+def test_plain_diag_step_diverges_and_the_safeguard_converges() -> None:
+    """The cause of the diag divergence: the precision stays positive (a convex combination of
+    PSD terms), but the mean step gamma diag(Lambda)^-1 g is a diagonally preconditioned
+    Newton step, unstable once gamma * lambda_max(diag(H)^-1 H) > 2. Here lambda_max ~ 4 and
+    gamma = 1: without the safeguard the mean never settles; with it (step capped at the GGN
+    line-search minimiser) OGGN converges to the MAP, its fixed point. (The logistic
+    likelihood saturates, so the plain iterate stays bounded but oscillates far from it.)"""
+    x, y = _correlated_logistic()
+    delta = 1.0
+    phi = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    theta = _map_linear_logistic(x, y, delta)
+    p = torch.sigmoid(phi @ theta)
+    hess = delta * torch.eye(len(theta), dtype=x.dtype) + (phi * (p * (1 - p))[:, None]).T @ phi
+    scaled = hess / torch.outer(hess.diagonal(), hess.diagonal()).sqrt()
+    assert torch.linalg.eigvalsh(scaled)[-1] > 3.0
+
+    def run(safeguard: bool) -> OGGN:
+        model = nn.Linear(x.shape[1], 1).double()
+        nn.init.zeros_(model.weight)
+        nn.init.zeros_(model.bias)
+        vi = OGGN(model, "binary", "diag", delta, lr=1.0, safeguard=safeguard)
+        for _ in range(200):
+            vi.step((x, y))
+            if not torch.isfinite(vi.mean).all():
+                break
+        return vi
+
+    plain = run(False)
+    assert not ((plain.mean - theta).abs().max() < 1.0)  # NaN or far from the fixed point
+    safe = run(True)
+    assert (safe.mean - theta).abs().max() < 1e-6
+    assert safe.mean_step < 1.0  # the cap is active
+    precision = delta + (phi.square() * (p * (1 - p))[:, None]).sum(0)
+    assert torch.allclose(safe.posterior_precision.diagonal(), precision, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [OGGN, LGVA, VOGGN])
+def test_safeguard_step_is_the_ggn_line_search(cls) -> None:
+    """One diag step from q_0 = prior: the step size equals min(gamma, g^T d / d^T H d) with
+    d = Lambda_1^-1 g and H = P0 + Phi^T W Phi the step's GGN, formed densely here; full
+    structure: never capped (Lambda_1 >= gamma H)."""
+    x, y = _correlated_logistic()
+    delta = 1.0
+    phi = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+    torch.manual_seed(0)
+    model = nn.Linear(x.shape[1], 1).double()
+    mu0 = torch.cat([model.weight.detach()[0], model.bias.detach()]).clone()
+    vi = cls(model, "binary", "diag", delta, lr=0.9, num_samples=2, antithetic=True, seed=1)
+    thetas = vi._draws() if cls is not OGGN else mu0[None]
+    vi.generator.manual_seed(1)  # replay the same draws in the step
+    vi.step((x, y))
+    f = thetas @ phi.T  # (S, N): for a linear model every variant's outputs
+    p = torch.sigmoid(f)
+    w = (p * (1 - p)).mean(0)
+    grad = phi.T @ (y[:, 0] - p).mean(0) - delta * mu0
+    lam = 0.1 * delta + 0.9 * (delta + (phi.square() * w[:, None]).sum(0))
+    d = grad / lam
+    hess = delta * torch.eye(len(mu0), dtype=x.dtype) + (phi * w[:, None]).T @ phi
+    alpha = min(0.9, float(grad @ d / (d @ hess @ d)))
+    assert alpha < 0.9
+    assert vi.mean_step == pytest.approx(alpha, rel=1e-9)
+    assert torch.allclose(vi.mean, mu0 + alpha * d, atol=1e-10)
+    full = cls(
+        nn.Linear(x.shape[1], 1).double(), "binary", "full", delta, lr=0.9, num_samples=2,
+        antithetic=True,
+    )  # fmt: skip
+    full.step((x, y))
+    assert full.mean_step == 0.9
+
+
+def test_mean_step_size_and_output_quadratic() -> None:
+    from gaussify.weight_space.ngvi_math import mean_step_size, output_quadratic
+
+    assert mean_step_size(0.5, torch.tensor(1.0), torch.tensor(4.0)) == 0.25
+    assert mean_step_size(0.1, torch.tensor(1.0), torch.tensor(4.0)) == 0.1
+    assert mean_step_size(0.3, torch.tensor(0.0), torch.tensor(0.0)) == 0.3
+    g = torch.Generator().manual_seed(0)
+    jac = torch.randn(7, 3, 5, generator=g, dtype=torch.float64)  # (N, C, P)
+    root = torch.randn(7, 3, 3, generator=g, dtype=torch.float64)
+    hess = root @ root.transpose(1, 2)
+    v = torch.randn(5, generator=g, dtype=torch.float64)
+    ggn = torch.einsum("ncp,ncd,ndq->pq", jac, hess, jac)
+    assert torch.allclose(output_quadratic(hess, jac @ v), v @ ggn @ v)
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_glmvi_init_laplace_is_the_laplace_posterior(structure: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 2, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    la = gs.Laplace(model, "classification", structure, prior_precision=2.0)
+    la.fit((x, y))
+    vi = GLMVI(model, "classification", structure, 2.0).init_laplace((x, y))
+    assert torch.equal(vi.mean, la.mean)
+    assert torch.allclose(vi.posterior_precision, la.posterior_precision, atol=1e-12)
+    assert vi.num_data == 40

@@ -19,6 +19,7 @@ from gaussify.approx_likelihoods.closed_forms import (
     PARAMETERS,
     gaussian_approx,
 )
+from gaussify.approx_likelihoods.gp_classification import GPClassifier
 from gaussify.approx_likelihoods.loss import GaussianApproxLoss, gaussian_pseudo_nll
 from gaussify.approx_likelihoods.numerical import (
     beta_kl,
@@ -51,6 +52,7 @@ __all__ = [
     "AlphaSelection",
     "BetaGaussian",
     "DirichletGaussian",
+    "GPClassifier",
     "GaussianApproxLoss",
     "beta_kl",
     "beta_variational",

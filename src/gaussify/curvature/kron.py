@@ -91,11 +91,18 @@ _SUPPORTED = (nn.Linear, nn.Conv2d)
 def kron_block_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
     """Eigendecomposition ``(eigenvalues, eigenvectors)`` of a symmetric PSD Kronecker factor.
 
-    The factor is symmetrised first and eigenvalues are clamped at 0: Gram matrices are PSD,
-    so negative eigenvalues are round-off only.
+    The factor is symmetrised first. Gram matrices are PSD, and ``eigh`` is backward stable:
+    every computed eigenvalue is within about ``k * eps * lambda_max`` of an exact one
+    (``k`` the size, ``eps`` the dtype's machine epsilon). Eigenvalues below that bound
+    (negative ones included) cannot be told apart from 0 and are set to 0, so an exact null
+    direction (the all-ones vector of a softmax's summed Hessian, a feature that is always 0)
+    stays one instead of becoming a round-off eigenvalue that the scale then multiplies.
     """
     eigvals, eigvecs = torch.linalg.eigh(0.5 * (factor + factor.mT))
-    return eigvals.clamp_min(0.0), eigvecs
+    if eigvals.numel() == 0:
+        return eigvals, eigvecs
+    tol = factor.shape[-1] * torch.finfo(eigvals.dtype).eps * eigvals.abs().max()
+    return torch.where(eigvals > tol, eigvals, torch.zeros_like(eigvals)), eigvecs
 
 
 def _layer_inputs(module: nn.Module, inp: Tensor) -> Tensor:
@@ -248,6 +255,26 @@ class _Block:
 
 
 @dataclass(frozen=True)
+class _Basis:
+    """What every posterior of one fit shares (built once per fit, reused by every
+    :meth:`KronGGN.posterior` call, e.g. each step of prior tuning): per block its subset
+    positions ``index (out, d)`` and Kronecker eigenvectors; over all blocks (block order)
+    the products of the factors' eigenvalues ``prod = l_b l_a^T / M`` flattened (P,), the
+    position in ``subset.names`` of the tensor whose prior sets each entry's eigenvalue shift
+    (a joint block's weight), and the checked permutation ``(perm, inv_perm)``. A posterior
+    step is then ``eig = scale * prod + prior[tensor]``: O(P), no factorisation."""
+
+    specs: list[tuple[_Layer, str, list[str]]]
+    index: list[Tensor]
+    q_out: list[Tensor]
+    q_in: list[Tensor]
+    shapes: list[tuple[int, int]]
+    prod: Tensor
+    prior_of: Tensor
+    permutation: tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
 class _RankOne:
     """Sherman-Morrison terms of a block with a bias shift ``c``, per eigenvector ``i`` of B.
 
@@ -284,18 +311,34 @@ class KronPosteriorPrecision:
     wrt the prior precision and the GGN scale.
     """
 
-    def __init__(self, blocks: list[_Block], num_params: int) -> None:
+    def __init__(
+        self,
+        blocks: list[_Block],
+        num_params: int,
+        *,
+        permutation: tuple[Tensor, Tensor] | None = None,
+        eig_flat: Tensor | None = None,
+    ) -> None:
+        """``blocks`` must cover the P subset positions exactly once (checked, unless a
+        ``permutation`` ``(perm, inv_perm)`` that was checked before is passed, as
+        :meth:`KronGGN.posterior` does once per fit). ``eig_flat`` (P,), if given, is the
+        concatenation of the blocks' ``eig`` (block order), of which they are views; it turns
+        :meth:`logdet` into one ``log().sum()``."""
         self.blocks = blocks
         self.num_params = num_params
-        perm = torch.cat([b.index.reshape(-1) for b in blocks])
-        if perm.numel() != num_params or not torch.equal(
-            torch.sort(perm).values, torch.arange(num_params, device=perm.device)
-        ):
-            raise ValueError("kron: the Kronecker blocks do not cover the parameters exactly once")
-        self._perm = perm  # block order -> subset position
-        self._inv_perm = torch.argsort(perm)  # subset position -> block order
+        if permutation is None:
+            perm = torch.cat([b.index.reshape(-1) for b in blocks])
+            if perm.numel() != num_params or not torch.equal(
+                torch.sort(perm).values, torch.arange(num_params, device=perm.device)
+            ):
+                raise ValueError(
+                    "kron: the Kronecker blocks do not cover the parameters exactly once"
+                )
+            permutation = (perm, torch.argsort(perm))
+        self._perm, self._inv_perm = permutation  # block order <-> subset position
         self._sizes = [b.eig.numel() for b in blocks]
         self._r1 = [_rank_one(b) for b in blocks]
+        self._eig_flat = eig_flat
 
     # -- helpers
     def _split(self, v: Tensor) -> list[Tensor]:
@@ -351,7 +394,9 @@ class KronPosteriorPrecision:
 
     # -- protocol
     def logdet(self) -> Tensor:
-        """``log det A`` (scalar)."""
+        """``log det A`` (scalar): ``sum log eig`` plus ``sum log denom`` of the rank-one terms."""
+        if self._eig_flat is not None and all(r1 is None for r1 in self._r1):
+            return self._eig_flat.log().sum()
         total = 0
         for b, r1 in zip(self.blocks, self._r1, strict=True):
             total = total + b.eig.log().sum()
@@ -581,7 +626,9 @@ class KronGGN:
         self._m = {
             ly.path: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
         }
+        self._dtype = ref.dtype
         self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+        self._basis_cache: _Basis | None = None
 
     # -- accumulation
     def _output_vectors(self, f: Tensor, y: Tensor) -> Tensor:
@@ -613,7 +660,12 @@ class KronGGN:
         for start in range(0, x.shape[0], step):
             sl = slice(start, start + step)
             self._update_chunk(model, modules, x[sl], y[sl], None if offset is None else offset[sl])
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Forget the eigendecompositions and the posterior basis (the factors changed)."""
         self._eig_cache.clear()
+        self._basis_cache = None
 
     def _update_chunk(
         self,
@@ -667,10 +719,18 @@ class KronGGN:
             exact = not self.ef and not self.mc_samples
             vecs = self._output_vectors(at, y) if inner or not exact else None
             for ly in final:
+                # The output layer's B is summed in float64 whatever the model's dtype: a
+                # softmax's sum_n Lambda_n has the exact null direction 1 (every Lambda_n 1 = 0;
+                # the residuals sum to 0 too), which float32 sums over N samples turn into an
+                # eigenvalue of order N * eps that the posterior multiplies by lambda(A) / M.
+                # C x C numbers, so the cost is nil.
+                b = self._b[ly.path]
+                if b.dtype != torch.float64:
+                    self._b[ly.path] = b = b.to(torch.float64)
                 if vecs is None:
-                    summed_hessian(self.likelihood, at, out=self._b[ly.path])
+                    summed_hessian(self.likelihood, at.to(torch.float64), out=b)
                 else:
-                    _gram(vecs.transpose(0, 1), "expand", "sum", out=self._b[ly.path])
+                    _gram(vecs.transpose(0, 1).to(torch.float64), "expand", "sum", out=b)
             num = 0 if vecs is None or not inner else vecs.shape[0]
             for k in range(num):
                 assert vecs is not None
@@ -701,7 +761,8 @@ class KronGGN:
 
         ``A`` is over the layer's block input: ``[a, 1]`` (weight and bias in the subset),
         ``a`` (weight only) or ``[1]`` (bias only). The tensors are the live accumulators:
-        do not modify them in place."""
+        do not modify them in place. The B of a layer whose output is the model output is
+        float64 whatever the model's dtype (see :meth:`update`)."""
         return {
             ly.path: (self._a[ly.path], self._b[ly.path], self._m[ly.path]) for ly in self._layers
         }
@@ -717,8 +778,44 @@ class KronGGN:
                 mat = self._a[path][:-1, :-1]
             else:  # "A_bias"
                 mat = self._a[path][-1:, -1:]
-            self._eig_cache[key] = kron_block_eigh(mat)
+            vals, vecs = kron_block_eigh(mat)  # in the factor's dtype (float64 for a final B)
+            self._eig_cache[key] = (vals.to(self._dtype), vecs.to(self._dtype))
         return self._eig_cache[key]
+
+    def _basis(self) -> _Basis:
+        """The posterior basis of the current factors (built once per fit, see :class:`_Basis`)."""
+        if self._basis_cache is not None:
+            return self._basis_cache
+        specs = self._block_specs()
+        position = {name: i for i, name in enumerate(self.subset.names)}
+        index, q_out, q_in, shapes, prods, prior_of = [], [], [], [], [], []
+        for ly, which, names in specs:
+            lam_b, q_b = self._eigh(ly.path, "B")
+            lam_a, q_a = self._eigh(ly.path, which)
+            m = self._m[ly.path].clamp_min(1.0).to(lam_a.dtype)
+            prod = torch.outer(lam_b, lam_a / m)
+            index.append(self._block_index(ly, names))
+            q_out.append(q_b)
+            q_in.append(q_a)
+            shapes.append((prod.shape[0], prod.shape[1]))
+            prods.append(prod.reshape(-1))
+            prior_of.append(torch.full((prod.numel(),), position[names[0]], device=prod.device))
+        perm = torch.cat([i.reshape(-1) for i in index])
+        if perm.numel() != self.subset.num_params or not torch.equal(
+            torch.sort(perm).values, torch.arange(self.subset.num_params, device=perm.device)
+        ):
+            raise ValueError("kron: the Kronecker blocks do not cover the parameters exactly once")
+        self._basis_cache = _Basis(
+            specs,
+            index,
+            q_out,
+            q_in,
+            shapes,
+            torch.cat(prods),
+            torch.cat(prior_of),
+            (perm, torch.argsort(perm)),
+        )
+        return self._basis_cache
 
     def _block_specs(self) -> list[tuple[_Layer, str, list[str]]]:
         """``(layer, which A, parameter names)`` for each Kronecker block, in layer order."""
@@ -778,7 +875,7 @@ class KronGGN:
         and bias may differ, also within a joint block), or (P,) values that are constant
         within each parameter tensor.
         """
-        ref = self._b[self._layers[0].path]
+        ref = self._a[self._layers[0].path]  # the model's dtype (a final B is float64)
         # Python floats go straight to the factors' dtype (as_tensor would round them to
         # float32 first); tensors are cast differentiably.
         prior = check_prior(_as_tensor(prior_precision, ref))
@@ -787,21 +884,26 @@ class KronGGN:
             raise ValueError(f"scale: expected a finite scalar >= 0, got {scale}")
         scale_t = scale_t.reshape(())
         priors = self._tensor_priors(prior)
-        blocks = []
-        for ly, which, names in self._block_specs():
-            lam_b, q_b = self._eigh(ly.path, "B")
-            lam_a, q_a = self._eigh(ly.path, which)
-            m = self._m[ly.path].clamp_min(1.0).to(lam_a.dtype)
-            shift = None
-            if isinstance(priors, Tensor):
-                delta = priors
-            else:
-                delta = priors[names[0]]
+        basis = self._basis()
+        shifts: list[Tensor | None] = [None] * len(basis.specs)
+        if isinstance(priors, Tensor):
+            eig_flat = scale_t * basis.prod + priors
+        else:
+            per_tensor = torch.stack([priors[name] for name in self.subset.names])
+            eig_flat = scale_t * basis.prod + per_tensor[basis.prior_of]
+            for i, (_, _, names) in enumerate(basis.specs):
                 if len(names) == 2:  # joint weight + bias: the bias gets a rank-one shift
-                    shift = priors[names[1]] - delta
-            eig = scale_t * torch.outer(lam_b, lam_a / m) + delta
-            blocks.append(_Block(self._block_index(ly, names), q_b, q_a, eig, shift))
-        return KronPosteriorPrecision(blocks, self.subset.num_params)
+                    shifts[i] = priors[names[1]] - priors[names[0]]
+        eigs = torch.split(eig_flat, [a * b for a, b in basis.shapes])
+        blocks = [
+            _Block(index, q_b, q_a, eig.view(shape), shift)
+            for index, q_b, q_a, eig, shape, shift in zip(
+                basis.index, basis.q_out, basis.q_in, eigs, basis.shapes, shifts, strict=True
+            )
+        ]
+        return KronPosteriorPrecision(
+            blocks, self.subset.num_params, permutation=basis.permutation, eig_flat=eig_flat
+        )
 
     # -- serialisation
     def state_dict(self) -> dict[str, Tensor]:
@@ -828,6 +930,8 @@ class KronGGN:
                         f"state: {prefix}.{ly.path} has shape {tuple(value.shape)}, expected "
                         f"{tuple(store[ly.path].shape)}"
                     )
-                store[ly.path] = value.to(store[ly.path]).clone()
+                # float64 stays float64 (the output layer's B is kept in float64, see update)
+                dtype = torch.float64 if value.dtype == torch.float64 else self._dtype
+                store[ly.path] = value.to(device=store[ly.path].device, dtype=dtype).clone()
         self.num_data = int(state["num_data"])
-        self._eig_cache.clear()
+        self._invalidate()

@@ -8,6 +8,8 @@ gaussify.experiments.<name>`` runs cleanly.
 * ``uci_classification``: Immer, Korzepa & Bauer (2021), Table 1 (App. B.3 protocol).
 * ``marglik_selection``: Immer thesis Sec. 5.1 (Fig. 5.3), evidence vs prior and width.
 * ``vbll_uci``, ``vbll_classification``: Harrison et al. (VBLL), Table 2 and image sets.
+* ``approx_training``, ``approx_streaming``, ``approx_active``: Bui, Tables 1/2/4, Fig. 4 and
+  Fig. 5 (Gaussian likelihood approximations: training losses, streaming, active learning).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ EXPERIMENTS: tuple[str, ...] = (
     "marglik_selection",
     "vbll_uci",
     "vbll_classification",
+    "approx_training",
+    "approx_streaming",
+    "approx_active",
+    "approx_gp_classification",
+    "function_space_toy",
+    "function_space_regression",
+    "function_space_images",
 )
 
 __all__ = ["EXPERIMENTS", "get"]

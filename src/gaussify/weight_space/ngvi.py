@@ -25,6 +25,12 @@ Zhang et al. 2018): B_l <- (1-gamma) B_l + gamma N E[g g^T] and A_l a running me
 averages, an approximation beyond KFAC itself; it is exact for gamma = 1, and with identical
 batches it follows the exact ramp of the full structure. The prior precision is added afresh
 at every step, which is exact because (1-gamma) P0 + gamma P0 = P0.
+
+For "diag" and "kron" the mean step is capped at the exact line-search minimiser of the
+step's GGN quadratic model (``safeguard``; :func:`~gaussify.weight_space.ngvi_math.mean_step_size`):
+a structured Lambda under-estimates the curvature along correlated weights, and the plain step
+gamma Lambda^-1 g diverges once gamma lambda_max(Lambda^-1 H) > 2. The pure functions (blend,
+Lambda_0, KL, step size) live in :mod:`gaussify.weight_space.ngvi_math`.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from torch.func import functional_call, vmap
 
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature import make_curvature
-from gaussify.curvature.jacobian import jacobians, jvp_with_outputs, vjp
+from gaussify.curvature.jacobian import jacobians, jvp, jvp_with_outputs, vjp
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.predictive import (
@@ -47,6 +53,15 @@ from gaussify.predictive import (
     Predictive,
     predictive_from_gaussian,
     predictive_from_samples,
+)
+from gaussify.weight_space.ngvi_math import (
+    STRUCTURES,
+    Structure,
+    blend_curvature,
+    gaussian_kl,
+    initial_curvature_state,
+    mean_step_size,
+    output_quadratic,
 )
 
 __all__ = [
@@ -60,116 +75,6 @@ __all__ = [
     "gaussian_kl",
     "initial_curvature_state",
 ]
-
-Structure = Literal["full", "diag", "kron"]
-STRUCTURES = ("full", "diag", "kron")
-
-
-# --------------------------------------------------------------------------- pure functions
-
-
-def blend_curvature(
-    structure: str,
-    state: dict[str, Tensor],
-    batch: dict[str, Tensor],
-    gamma: float,
-    num_data: int,
-) -> dict[str, Tensor]:
-    """The data term of eq. 4.3: ``(1 - gamma) state + gamma * N * (per-example batch GGN)``.
-
-    ``batch`` is the state of a curvature accumulated over ``batch["num_data"]`` rows (S
-    samples times B examples), so N times its per-row mean is the unbiased minibatch estimate
-    of the full-data GGN. For "kron" the factors of each layer are averaged separately: B as
-    the moving average of N times the per-row output-gradient second moment, A as a weighted
-    running mean of the input second moment (weight ``W.<path>``, which starts at 0 when q_0
-    is the prior), so that with identical batches B kron A follows the exact ramp
-    (1 - (1 - gamma)^t) G of the full structure; M = 1. Exact for gamma = 1.
-    """
-    rows = float(batch["num_data"])
-    if rows <= 0:
-        raise ValueError("batch: the curvature saw no data")
-    out: dict[str, Tensor] = {"num_data": torch.tensor(num_data)}
-    if structure in ("full", "diag"):
-        key = "ggn" if structure == "full" else "ggn_diag"
-        out[key] = (1 - gamma) * state[key] + (gamma * num_data / rows) * batch[key]
-        return out
-    if structure != "kron":
-        raise ValueError(f"structure: expected one of {STRUCTURES}, got {structure!r}")
-    for key, value in batch.items():
-        kind, _, path = key.partition(".")
-        if kind == "A":
-            m = batch[f"M.{path}"].to(value.dtype).clamp_min(1.0)
-            old = state[f"W.{path}"].to(value.dtype)
-            weight = (1 - gamma) * old + gamma
-            out[key] = ((1 - gamma) * old * state[key] + gamma * value / m) / weight
-            out[f"W.{path}"] = weight
-        elif kind == "B":
-            out[key] = (1 - gamma) * state[key] + (gamma * num_data / rows) * value
-        elif kind == "M":
-            out[key] = torch.ones_like(value)
-    return out
-
-
-def initial_curvature_state(
-    structure: str, template: dict[str, Tensor], names: list[str], excess: dict[str, Tensor]
-) -> dict[str, Tensor]:
-    """The data term of Lambda_0 = diag(prior + excess) in a structure's state layout.
-
-    ``template`` is an empty curvature's state (shapes), ``names`` the subset's parameter
-    names, ``excess`` per parameter tensor (flattened values). For "kron", B = I and A is
-    diagonal with the weight's excess on the input columns and the bias's on the last one, so
-    B kron A = diag(excess) exactly; each tensor's excess must then be constant and >= 0
-    (B = A = 0 where it is 0).
-    """
-    if structure == "full":
-        flat = torch.cat([excess[n] for n in names])
-        return {"ggn": torch.diag(flat).to(template["ggn"]), "num_data": torch.tensor(0)}
-    if structure == "diag":
-        flat = torch.cat([excess[n] for n in names])
-        return {"ggn_diag": flat.to(template["ggn_diag"]), "num_data": torch.tensor(0)}
-    state: dict[str, Tensor] = {"num_data": torch.tensor(0)}
-    for key, value in template.items():
-        kind, _, path = key.partition(".")
-        if kind == "M":
-            state[key] = torch.ones_like(value)
-        if kind != "A":
-            continue
-        prefix = f"{path}." if path else ""
-        weight, bias = prefix + "weight", prefix + "bias"
-        widths = {bias: 1, weight: value.shape[0] - (1 if bias in excess else 0)}
-        cols = []
-        for name in (weight, bias):
-            if name not in excess:
-                continue
-            values = excess[name]
-            if (values - values[0]).abs().max() > 1e-12 * values.abs().max().clamp_min(1.0):
-                raise ValueError(
-                    "init_precision: structure 'kron' needs it constant over each parameter "
-                    f"tensor, but it is not over {name!r}"
-                )
-            if values[0] < 0:
-                raise ValueError(
-                    "init_precision: structure 'kron' keeps Lambda_0 - P0 as Kronecker "
-                    f"factors, so it must be >= the prior precision ({name!r} is below it)"
-                )
-            cols.append(values[0].expand(widths[name]))
-        diag = torch.cat(cols).to(value)
-        nonzero = bool(diag.any())
-        b = template[f"B.{path}"]
-        state[key] = torch.diag(diag)
-        state[f"B.{path}"] = torch.eye(b.shape[0], dtype=b.dtype, device=b.device) * nonzero
-        # weight of A's running mean: a nonzero Lambda_0 - P0 = I kron diag(excess) counts in
-        # full; q_0 = prior has no data term, so the first batch's A is taken as it is
-        state[f"W.{path}"] = torch.tensor(float(nonzero), dtype=torch.float64)
-    return state
-
-
-def gaussian_kl(mean: Tensor, posterior: Any, prior_vec: Tensor) -> Tensor:
-    """KL(N(mu, Lambda^-1) || N(0, diag(prior)^-1)) for a structured ``posterior`` precision:
-    1/2 [tr(P0 Sigma) + mu^T P0 mu - P + log det Lambda - log det P0] (thesis eq. 2.14)."""
-    trace = (prior_vec * posterior.covariance_diag()).sum()
-    quad = (prior_vec * mean.square()).sum()
-    return 0.5 * (trace + quad - mean.numel() + posterior.logdet() - prior_vec.log().sum())
 
 
 @dataclass
@@ -197,7 +102,11 @@ class NaturalGradientVI:
     0.1 I); ``antithetic``: draw the S samples in pairs mu +- eps (S even), which makes their
     mean exactly mu; ``num_data``: N for :meth:`step` (fit sets it); ``seed``/``generator``:
     all sampling and shuffling. Extra keyword arguments go to the curvature (e.g.
-    ``kfac_approx``, ``kron_bias``, ``mc_samples``).
+    ``kfac_approx``, ``kron_bias``, ``mc_samples``). ``safeguard`` (default True): for "diag"
+    and "kron", cap the mean step at the minimiser of the step's GGN quadratic model along
+    the natural-gradient direction (:func:`~gaussify.weight_space.ngvi_math.mean_step_size`;
+    a structured Lambda can under-estimate the curvature along that direction by orders of
+    magnitude, and the plain step then diverges); never active for "full".
 
     The subset's parameters of ``model`` hold the mean mu_t after every step (VOGGN writes
     each theta_s in turn and restores mu); for GLM-VI they stay at theta*.
@@ -226,6 +135,7 @@ class NaturalGradientVI:
         num_data: int | None = None,
         seed: int | None = 0,
         generator: torch.Generator | None = None,
+        safeguard: bool = True,
         **curvature_options: Any,
     ) -> None:
         if type(self) is NaturalGradientVI:
@@ -252,6 +162,9 @@ class NaturalGradientVI:
         self.lr = float(lr)
         self.num_samples = num_samples
         self.antithetic = antithetic
+        self.safeguard = bool(safeguard) and structure != "full"
+        #: the step size alpha of the last mean update (gamma unless the safeguard capped it)
+        self.mean_step = self.lr
         self.num_data = num_data
         self.seed = seed
         self.generator = generator or torch.Generator().manual_seed(0 if seed is None else seed)
@@ -360,10 +273,11 @@ class NaturalGradientVI:
 
     def _estimate_linearized(
         self, curvature: Any, x: Tensor, y: Tensor, thetas: Tensor
-    ) -> tuple[Tensor, float]:
+    ) -> tuple[Tensor, float, Tensor]:
         """LGVA / OGGN / GLM-VI (eq. 4.9-4.12): one linearisation at the model's current
         weights theta_lin; f_s = f(x; theta_lin) + J (theta_s - theta_lin), GGN with Lambda at
-        f_s (the curvature's ``offset``) and gradient J^T sum_s r(y, f_s)."""
+        f_s (the curvature's ``offset``) and gradient J^T sum_s r(y, f_s). Also returns the
+        outputs f_s, (S, B, C)."""
         point = self._point()
         shifts = thetas - point
         if not bool(shifts.any()):  # OGGN: the mean is the linearisation point
@@ -371,9 +285,8 @@ class NaturalGradientVI:
                 f = self.model(x)
             curvature.update(self.model, x, y)
             residual = self.likelihood.residual(f, y)
-            return vjp(self.model, x, self.subset, residual), float(
-                self.likelihood.log_prob(f, y).sum()
-            )
+            log_lik = float(self.likelihood.log_prob(f, y).sum())
+            return vjp(self.model, x, self.subset, residual), log_lik, f.unsqueeze(0)
         offsets = []
         f = x
         for shift in shifts:
@@ -388,7 +301,27 @@ class NaturalGradientVI:
         curvature.update(self.model, x_all, y_all, offset=offset_all)
         residual = self.likelihood.residual(f_all, y_all).reshape(s, *f.shape).sum(0)
         log_lik = float(self.likelihood.log_prob(f_all, y_all).sum())
-        return vjp(self.model, x, self.subset, residual), log_lik
+        return vjp(self.model, x, self.subset, residual), log_lik, f_all.reshape(s, *f.shape)
+
+    def _ggn_quadratic(
+        self, x: Tensor, thetas: Tensor, outputs: Tensor | None, v: Tensor
+    ) -> Tensor:
+        """v^T (sum_s J_s^T Lambda(f_s) J_s) v over the batch, the data part of the step's GGN
+        along v: one forward-mode product per evaluation point (VOGGN: each theta_s; else
+        theta_lin, with the step's outputs ``outputs`` (S, B, C))."""
+        if outputs is not None:
+            jv = jvp(self.model, x, self.subset, v).detach()
+            hess = self.likelihood.hessian(outputs.reshape(-1, outputs.shape[-1]))
+            return output_quadratic(hess.reshape(*outputs.shape, -1), jv)
+        total = torch.zeros((), dtype=v.dtype)
+        try:
+            for theta in thetas:
+                self._write(theta)
+                f, jv = jvp_with_outputs(self.model, x, self.subset, v)
+                total = total + output_quadratic(self.likelihood.hessian(f.detach()), jv.detach())
+        finally:
+            self._write(self.mean)
+        return total
 
     def step(self, batch: tuple[Tensor, Tensor], num_data: int | None = None) -> float:
         """One NGVI step (eq. 4.2-4.3) on a minibatch ``(x (B, ...), y)`` of a data set of
@@ -399,10 +332,11 @@ class NaturalGradientVI:
         self.model.eval()
         thetas = self._draws()
         curvature = self._new_curvature()
+        outputs: Tensor | None = None
         if self.linearization == "sample":
             grad, log_lik = self._estimate_sampled_networks(curvature, x, y, thetas)
         else:
-            grad, log_lik = self._estimate_linearized(curvature, x, y, thetas)
+            grad, log_lik, outputs = self._estimate_linearized(curvature, x, y, thetas)
         rows = len(thetas)
         self._state = blend_curvature(
             self.structure, self._state, curvature.state_dict(), self.lr, n_total
@@ -410,13 +344,19 @@ class NaturalGradientVI:
         self._posterior = None
         # eq. 4.2 with Lambda_{t+1} substituted: mu + gamma Lambda_{t+1}^-1 (g - P0 mu).
         scale = n_total / (rows * x.shape[0])
-        direction = self.posterior.solve(scale * grad - self._prior_vec * self.mean)
+        ascent = scale * grad - self._prior_vec * self.mean
+        direction = self.posterior.solve(ascent)
         if not torch.isfinite(direction).all():
             raise FloatingPointError(
                 f"{type(self).__name__}: the mean update is not finite at step {self.steps}; "
                 "lower lr or raise prior_precision / init_precision"
             )
-        self.mean = self.mean + self.lr * direction
+        self.mean_step = self.lr
+        if self.safeguard:  # diag / kron: the step's GGN line search (ngvi_math.mean_step_size)
+            curv = (self._prior_vec * direction.square()).sum()
+            curv = curv + scale * self._ggn_quadratic(x, thetas, outputs, direction)
+            self.mean_step = mean_step_size(self.lr, ascent @ direction, curv)
+        self.mean = self.mean + self.mean_step * direction
         if self.theta_lin is None:
             self._write(self.mean)
         self.steps += 1

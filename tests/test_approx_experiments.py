@@ -1,0 +1,249 @@
+"""Experiments of Bui (Gaussian likelihood approximations): quick versions and their mathematics.
+
+* approx_streaming (Fig. 4): after the stream, every exact learner's posterior equals the
+  one-shot posterior of eq. (4) on the same points (float64, 1e-8), whatever the batching; the
+  reported curves equal ``gaussify.metrics`` recomputed from the kept learners.
+* approx_training (Tables 1 / 2 / 4): the reported ACC / NLL / ECE equal the metrics
+  recomputed from the kept test probabilities, the OOD AUROC equals scikit-learn's on the
+  max-probability score, and the logit-basis probabilities are ``[1 - sigmoid, sigmoid]``.
+* approx_active (Fig. 5): replaying a run, every entropy acquisition is the argmax over the
+  unlabelled pool of the Bernoulli entropy of the current posterior predictive (recomputed
+  from a fresh layer), and the recorded test accuracy / NLL equal the recomputed metrics.
+* bad input raises errors naming the argument.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+
+import gaussify as gs
+from gaussify.experiments import approx_active as aa
+from gaussify.experiments import approx_streaming as st
+from gaussify.experiments import approx_training as at
+from gaussify.last_layer.exact import ExactLastLayer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------- streaming
+
+
+@pytest.fixture(scope="module")
+def stream_res() -> st.StreamingResults:
+    return st.run(
+        datasets=["digits"],
+        seeds=[0],
+        num_points=60,
+        width=12,
+        batch_size=7,
+        num_test=120,
+        adf_samples=16,
+        keep=True,
+    )
+
+
+def test_streamed_posterior_equals_one_shot(stream_res: st.StreamingResults) -> None:
+    learners = stream_res.learners[("digits", 0)]
+    phi, y, _, _ = stream_res.features[("digits", 0)]
+    assert stream_res.checkpoints == [10, 20, 50, 60]
+    for name in st.METHODS:
+        layer = learners[name]
+        assert isinstance(layer, ExactLastLayer) and layer.num_data == 60
+        one = ExactLastLayer(
+            12,
+            10,
+            pseudo_likelihood=layer.pseudo_likelihood,
+            prior_precision=layer.prior_precision,
+            streaming=False,
+        ).fit((phi, y), batch_size=60)
+        torch.testing.assert_close(layer.mean, one.mean, rtol=0, atol=1e-8)
+        torch.testing.assert_close(layer.covariance, one.covariance, rtol=0, atol=1e-8)
+        lml = layer.log_marginal_likelihood()
+        torch.testing.assert_close(lml, one.log_marginal_likelihood(), rtol=1e-10, atol=1e-8)
+
+
+def test_streaming_metrics_equal_recomputed(stream_res: st.StreamingResults) -> None:
+    learners = stream_res.learners[("digits", 0)]
+    _, _, phi_test, y_test = stream_res.features[("digits", 0)]
+    for name, learner in learners.items():
+        probs = learner.predict(phi_test).probs
+        curve = stream_res.curves["digits"][name]
+        assert curve["acc_mean"][-1] == pytest.approx(gs.metrics.accuracy(probs, y_test), abs=1e-12)
+        assert curve["ll_mean"][-1] == pytest.approx(-gs.metrics.nll(probs, y_test), abs=1e-10)
+    # the prior: delta = mean ||[phi, 1]||^2 / prior_logit_var
+    phi, *_ = stream_res.features[("digits", 0)]
+    delta = float((phi.square().sum(1) + 1).mean()) / 10.0
+    assert learners["variational"].prior_precision == pytest.approx(delta, rel=1e-12)
+    assert {o["points"] for o in stream_res.ordering} == {20, 50}
+    json.dumps(stream_res.to_dict())
+
+
+def test_stream_and_checkpoints_helpers() -> None:
+    assert st.checkpoints(7) == [7]
+    assert st.checkpoints(2000) == [10, 20, 50, 100, 200, 500, 1000, 2000]
+    phi, phi_t = st.random_features(torch.rand(5, 1, 4, 4), torch.rand(3, 1, 4, 4), 6, seed=1)
+    assert phi.shape == (5, 6) and phi_t.shape == (3, 6) and phi.dtype == torch.float64
+    assert bool((phi >= 0).all())
+
+
+def test_streaming_bad_input() -> None:
+    with pytest.raises(ValueError, match="datasets"):
+        st.run(datasets=["nope"], seeds=[0])
+    with pytest.raises(ValueError, match="methods"):
+        st.run(datasets=["digits"], seeds=[0], methods=["ep"])
+    with pytest.raises(ValueError, match="num_points"):
+        st.run(datasets=["digits"], seeds=[0], num_points=10**6, width=4)
+    with pytest.raises(ValueError, match="prior_logit_var"):
+        st.run(datasets=["digits"], seeds=[0], prior_logit_var=0.0)
+    with pytest.raises(ValueError, match="width"):
+        st.random_features(torch.rand(2, 3), torch.rand(2, 3), 0, 0)
+    learners = st.make_learners(3, 2, 1.0, methods=["moment"])
+    x, y = torch.rand(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(ValueError, match="stops"):
+        st.stream(learners, x, y, x, y, [3, 2])
+    with pytest.raises(ValueError, match="batch_size"):
+        st.stream(learners, x, y, x, y, [2], batch_size=0)
+
+
+# ------------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def train_res() -> at.ApproxTrainingResults:
+    return at.run(
+        datasets=["digits"],
+        binary_datasets=["digits"],
+        seeds=[0],
+        methods=["exact", "variational", "gauss"],
+        max_train=300,
+        epochs=2,
+        keep=True,
+    )
+
+
+def test_training_metrics_equal_recomputed(train_res: at.ApproxTrainingResults) -> None:
+    assert len(train_res.records) == 6  # 3 methods x {log, logit}
+    for rec in train_res.records:
+        kept = train_res.predictions[
+            (rec["dataset"], rec["basis"], rec["method"], rec["alpha_eps"], rec["seed"])
+        ]
+        probs, y = kept["probs"], kept["y"]
+        torch.testing.assert_close(probs.sum(-1), torch.ones(len(y)))
+        assert rec["acc"] == pytest.approx(gs.metrics.accuracy(probs, y), abs=1e-12)
+        assert rec["nll"] == pytest.approx(gs.metrics.nll(probs, y), abs=1e-12)
+        assert rec["ece"] == pytest.approx(gs.metrics.ece(probs, y, 15), abs=1e-12)
+        if rec["basis"] == "logit":
+            assert probs.shape[1] == 2 and int(y.max()) <= 1
+    row = next(r for r in train_res.rows if (r["basis"], r["method"]) == ("log", "variational"))
+    assert row["alpha_eps"] == 0.1 and math.isnan(row["acc_sem"])
+    assert "| digits | log | variational 0.1 |" in train_res.table()
+    json.dumps(train_res.to_dict())
+
+
+def test_training_ood_auroc_and_probs() -> None:
+    torch.manual_seed(0)
+    p_in = torch.softmax(torch.randn(50, 4), -1)
+    p_out = torch.softmax(0.3 * torch.randn(40, 4), -1)
+    scores = torch.cat([-p_in.amax(-1), -p_out.amax(-1)]).numpy()
+    labels = [0] * 50 + [1] * 40
+    assert at._auroc_maxprob(p_in, p_out) == pytest.approx(roc_auc_score(labels, scores))
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(5, 3)
+    probs = at.predict_probs(model, x, "logit")
+    torch.testing.assert_close(probs[:, 1], torch.sigmoid(model(x)).squeeze(-1))
+    # Table 1's alpha_eps per method and a Table 4 sweep
+    assert at._configs("log", None)[2:] == [
+        ("moment-ori", 0.01),
+        ("moment", 0.1),
+        ("laplace", 0.05),
+        ("variational", 0.1),
+    ]
+    assert len(at._configs("log", [0.01, 0.05, 0.1])) == 2 + 4 * 3
+
+
+def test_training_bad_input() -> None:
+    with pytest.raises(ValueError, match="datasets"):
+        at.run(datasets=["nope"], binary_datasets=[])
+    with pytest.raises(ValueError, match="methods"):
+        at.run(datasets=["digits"], binary_datasets=[], methods=["ep"])
+    with pytest.raises(ValueError, match="alphas"):
+        at.run(datasets=["digits"], binary_datasets=[], alphas=[0.0])
+    with pytest.raises(ValueError, match="method"):
+        at.make_loss("moment-ori", "logit", 0.1)
+    with pytest.raises(ValueError, match="basis"):
+        at.make_loss("exact", "probit", None)
+
+
+# ------------------------------------------------------------------------------- active
+
+
+@pytest.fixture(scope="module")
+def active_res() -> aa.ActiveResults:
+    return aa.run(
+        datasets=["breast_cancer"], seeds=[1], methods=["variational"], pool_size=120, steps=8
+    )
+
+
+def test_entropy_acquisition_picks_argmax_entropy(active_res: aa.ActiveResults) -> None:
+    rec = next(r for r in active_res.records if r["acquisition"] == "entropy")
+    ds = gs.data.load("breast_cancer", seed=1)
+    order = torch.randperm(len(ds.y_train), generator=torch.Generator().manual_seed(1))[:120]
+    x_pool, y_pool = ds.x_train[order].double(), ds.y_train[order]
+    x_test, y_test = ds.x_test.double(), ds.y_test
+    initial = torch.randperm(120, generator=torch.Generator().manual_seed(1))[:10]
+    layer = ExactLastLayer(30, 2, method="variational", basis="logit", alpha_eps=0.1)
+    layer.update(x_pool[initial], y_pool[initial])
+    labelled = set(initial.tolist())
+    for step, index in enumerate(rec["chosen"]):
+        p = layer.predict(x_test).probs.squeeze(-1)
+        probs2 = torch.stack([1 - p, p], -1)
+        assert rec["accuracy"][step] == pytest.approx(gs.metrics.accuracy(probs2, y_test))
+        assert rec["nll"][step] == pytest.approx(gs.metrics.nll(probs2, y_test), rel=1e-10)
+        q = layer.predict(x_pool).probs.squeeze(-1).clamp(1e-300, 1 - 1e-16)
+        entropy = -(q * q.log() + (1 - q) * torch.log1p(-q))
+        entropy[list(labelled)] = -torch.inf
+        assert index == int(entropy.argmax())
+        labelled.add(index)
+        layer.update(x_pool[index : index + 1], y_pool[index : index + 1])
+    assert len(rec["chosen"]) == 8 and rec["num_labelled"] == list(range(10, 19))
+    random_rec = next(r for r in active_res.records if r["acquisition"] == "random")
+    assert random_rec["accuracy"][0] == rec["accuracy"][0]  # the same initial labelled set
+
+
+def test_active_summary_and_bad_input(active_res: aa.ActiveResults) -> None:
+    assert aa.labels_to_reach([10, 11, 12], [0.5, 0.7, 0.9], 0.7) == 11
+    assert aa.labels_to_reach([10, 11], [0.5, 0.6], 0.7) is None
+    curve = active_res.curves["breast_cancer"]["variational/entropy"]
+    assert curve["acc_mean"] == pytest.approx(active_res.records[0]["accuracy"])
+    json.dumps(active_res.to_dict())
+    with pytest.raises(ValueError, match="datasets"):
+        aa.run(datasets=["nope"])
+    with pytest.raises(ValueError, match="not a binary"):
+        aa.run(datasets=["iris"], seeds=[0], steps=1)
+    with pytest.raises(ValueError, match="methods"):
+        aa.run(datasets=["breast_cancer"], methods=["moment-ori"])
+    with pytest.raises(ValueError, match="acquisitions"):
+        aa.run(datasets=["breast_cancer"], acquisitions=["bald"])
+    with pytest.raises(ValueError, match="steps"):
+        aa.run(datasets=["breast_cancer"], steps=0)
+
+
+def test_registered_and_cli(tmp_path) -> None:
+    from gaussify.experiments import EXPERIMENTS, get
+
+    for name in ("approx_training", "approx_streaming", "approx_active"):
+        assert name in EXPERIMENTS and hasattr(get(name), "main")
+    out = tmp_path / "a.json"
+    assert aa.main(["--quick", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["experiment"] == "approx_active"

@@ -29,7 +29,8 @@ def test_demo_writes_report_and_figure(tmp_path: Path) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["dataset"] == "iris"
     # every family with a trained-network entry point appears in the demo
-    assert {"map", "laplace-kron", "laplace-ll-full", "vbll-disc-posthoc"} <= set(report["test"])
+    families = {"map", "laplace-kron", "laplace-ll-full", "vbll-disc-posthoc", "ella"}
+    assert families <= set(report["test"])
     for row in report["test"].values():
         assert 0 <= row["acc"] <= 1 and row["nll"] > 0 and 0 <= row["ece"] <= row["mce"] <= 1
 

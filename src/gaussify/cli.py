@@ -113,6 +113,12 @@ def _demo(args: argparse.Namespace) -> int:
     results[name] = metrics.classification_metrics(vbll_probs, ds.y_test)
     diagrams[name] = metrics.reliability_diagram(vbll_probs, ds.y_test)
 
+    from gaussify.experiments.function_space_images import demo_function_space
+
+    fs_probs, _ = demo_function_space(ds, model, seed=args.seed)
+    results["ella"] = metrics.classification_metrics(fs_probs, ds.y_test)
+    diagrams["ella"] = metrics.reliability_diagram(fs_probs, ds.y_test)
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     figure = plot_reliability(
@@ -154,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     p_data = sub.add_parser("datasets", help="list the bundled offline datasets")
     p_data.set_defaults(func=_datasets)
     p_demo = sub.add_parser(
-        "demo", help="MAP, Laplace and VBLL on a bundled dataset: metrics, figure, JSON"
+        "demo", help="MAP, Laplace, ELLA and VBLL on a bundled dataset: metrics, figure, JSON"
     )
     p_demo.add_argument("--dataset", default=DEMO_DATASET, help="a classification dataset name")
     p_demo.add_argument("--epochs", type=int, default=60)

@@ -341,8 +341,9 @@ def demo_function_space(
     training points (at most N) form the Nyström basis; the scalar prior precision is chosen
     by the Nyström evidence on a grid (10^-4 .. 10^4) and the predictive uses the probit
     link. ELLA was chosen over VaLLA for the demo: on ``digits`` with a 64-50-50-10 tanh MLP
-    it fits in about a second (one pass over the data, no optimisation loop) with a test NLL
-    as good as VaLLA's (docs/function_space.md). Inputs are cast to the model's dtype.
+    it fits in a few seconds (one pass over the data, no optimisation loop) with a better test
+    NLL than VaLLA's at M = 50-100 (0.23 vs 0.40-0.47 on a loaded 2-core machine).
+    Inputs are cast to the model's dtype.
     """
     if ds.task != "classification":
         raise ValueError(f"ds: demo_function_space needs a classification data set, got {ds.task}")

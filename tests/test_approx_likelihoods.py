@@ -287,7 +287,8 @@ def test_beta_targets_are_the_beta_approximation(method):
     assert mean.shape == var.shape == (4, 1)
     a, b = 0.2 + y.double(), 0.05 + 1 - y.double()
     if method == "gauss":
-        ref_mean, ref_var = y.double(), torch.full((4,), 0.1, dtype=torch.float64)
+        # -1/+1 targets: the least-squares boundary is f = 0, where sigmoid(f) = 1/2
+        ref_mean, ref_var = 2 * y.double() - 1, torch.full((4,), 0.1, dtype=torch.float64)
     else:
         ref_mean, ref_var = gaussian_approx("beta", method, alpha=a, beta=b)
     torch.testing.assert_close(mean.squeeze(-1), ref_mean, rtol=1e-10, atol=1e-10)
@@ -497,3 +498,16 @@ def test_expected_log_likelihood_matches_quadrature():
         lambda z: -np.logaddexp(0, -(1 + math.sqrt(2) * z)) * stats.norm.pdf(z), -12, 12
     )[0]
     assert float(value) == pytest.approx(ref, abs=3e-3)
+
+
+def test_binary_gauss_loss_classifies_a_separable_problem() -> None:
+    # label regression on one logit read through sigmoid: its optimum must put the decision
+    # boundary where the classes separate (0/1 targets would shift it to f = 1/2)
+    torch.manual_seed(0)
+    x = torch.randn(400, 2, dtype=torch.float64)
+    y = (x[:, 0] > 0.3).long()
+    mean, _ = BetaGaussian("gauss").pseudo_targets(y, dtype=torch.float64)
+    feats = torch.cat([x, torch.ones(400, 1, dtype=torch.float64)], 1)
+    w = torch.linalg.lstsq(feats, mean).solution
+    acc = ((torch.sigmoid(feats @ w)[:, 0] > 0.5).long() == y).double().mean()
+    assert acc > 0.95

@@ -9,7 +9,8 @@ A label is turned into Gaussian "observations" of the logits:
 * logit basis, sigmoid (Sec. 3.3): a Beta prior ``Beta(alpha_eps, beta_eps)`` on the positive
   class probability gives ``Beta(alpha_eps + y, beta_eps + 1 - y)``, and a Gaussian
   approximation of its logit is ``N(f; m, v)`` for the single logit (:class:`BetaGaussian`);
-* ``gauss``: regression on the one-hot label (or the 0/1 label) with a fixed noise variance.
+* ``gauss``: regression on the one-hot label (or, for one binary logit, the -1/+1 label) with a
+  fixed noise variance.
 
 The approximations themselves are the pure functions of
 :mod:`gaussify.approx_likelihoods.closed_forms`; these classes only hold the hyperparameters,
@@ -148,6 +149,11 @@ class PseudoLikelihood:
         if self.method == "gauss":
             dt = dtype or torch.get_default_dtype()
             mean = hot.to(dt)
+            if self.task == "binary":
+                # one logit read through sigmoid(f) > 1/2, i.e. sign(f): regress on -1 / +1
+                # so the least-squares decision boundary sits at f = 0 (0/1 targets put it at
+                # f = 1/2 and misclassify)
+                mean = 2.0 * mean - 1.0
             return mean, torch.full_like(mean, self.noise)
         mean_off, mean_on, var_off, var_on = self._values(self._dtype(dtype), hot.device)
         return torch.where(hot, mean_on, mean_off), torch.where(hot, var_on, var_off)

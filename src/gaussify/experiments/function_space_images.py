@@ -92,7 +92,9 @@ def rotate(images: Tensor, angle: float) -> Tensor:
     else:
         rad = math.radians(angle)
         c, s = math.cos(rad), math.sin(rad)
-        theta = torch.tensor([[c, s, 0.0], [-s, c, 0.0]], dtype=x.dtype).expand(x.shape[0], 2, 3)
+        # affine_grid maps output to input coordinates (x right, y down): this sign makes the
+        # interpolated path turn the same way as torch.rot90 for multiples of 90 degrees
+        theta = torch.tensor([[c, -s, 0.0], [s, c, 0.0]], dtype=x.dtype).expand(x.shape[0], 2, 3)
         grid = F.affine_grid(theta, list(x.shape), align_corners=False)
         out = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return out.reshape(images.shape)

@@ -8,10 +8,21 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from gaussify.metrics import ReliabilityDiagram
 
-__all__ = ["plot_reliability"]
+__all__ = ["plot_reliability", "save_figure"]
+
+
+def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
+    """Lay out ``fig``, write it to ``path`` (creating the folder) and close it."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def plot_reliability(
@@ -36,9 +47,4 @@ def plot_reliability(
     ax.set_title(title)
     hist.set_xlabel("confidence")
     hist.set_ylabel("count")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)

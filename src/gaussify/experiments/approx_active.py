@@ -30,6 +30,7 @@ import torch
 
 from gaussify import data as gdata
 from gaussify.last_layer.active import active_learning
+from gaussify.plots import save_figure
 
 __all__ = ["ACQUISITIONS", "DATASETS", "METHODS", "ActiveResults", "labels_to_reach", "main", "run"]
 
@@ -271,12 +272,7 @@ def plot(result: ActiveResults, path: str | Path) -> Path:
         for row in range(2):
             axes[row, col].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.last_layer.adf import ADFLastLayer, SGDLastLayer
 from gaussify.last_layer.exact import ExactLastLayer
+from gaussify.plots import save_figure
 
 __all__ = [
     "BASELINES",
@@ -460,12 +461,7 @@ def plot(result: StreamingResults, path: str | Path) -> Path:
             axes[row, col].set_xscale("log")
             axes[row, col].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

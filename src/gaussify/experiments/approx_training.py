@@ -38,6 +38,7 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods import GaussianApproxLoss
 from gaussify.approx_likelihoods.pseudo_targets import SUPPORTED_BASES
+from gaussify.plots import save_figure
 
 __all__ = [
     "BINARY_METHODS",
@@ -447,12 +448,7 @@ def plot(result: ApproxTrainingResults, path: str | Path) -> Path:
                 ax.set_title(f"{ds_name} ({basis} basis)", fontsize=10)
             ax.grid(axis="y", alpha=0.3)
         axes[2, col].set_xticks(list(pos), labels, rotation=60, ha="right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

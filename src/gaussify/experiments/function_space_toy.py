@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
+from gaussify.plots import save_figure
 from gaussify.predictive import Predictive
 
 __all__ = ["ToyResults", "main", "make_model", "plot", "run"]
@@ -301,12 +302,7 @@ def plot(result: ToyResults, path: str | Path) -> Path:
         ax.set_xlabel("x")
         ax.set_ylim(-4, 4)
     axes[0].set_ylabel("y (mean ± 2 std; LLA dashed)")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.data import Dataset
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
+from gaussify.plots import save_figure
 
 __all__ = [
     "DATASETS",
@@ -639,11 +640,7 @@ def plot_halfmoons(result: dict[str, Any], path: str | Path) -> Path:
         f"train acc {result['train_accuracy']:.3f}",
         fontsize=11,
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------------------------

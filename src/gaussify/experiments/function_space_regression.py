@@ -11,9 +11,10 @@ CQM (eq. 22). Here the same comparison runs on the two largest bundled regressio
 * network: 3 x 200 tanh MLP (the paper's), float64, Adam lr 1e-3, batch 256, ``epochs``
   passes (default 10), prior precision 1 (``gs.train_map``);
 * MAP: Gaussian predictive with sigma = the training RMSE;
-* last-layer / diag / KFAC Laplace (``gs.Laplace``): prior precision by the marginal
-  likelihood with the noise fixed at the MAP sigma (tuning the noise too made the KFAC
-  evidence run off to prior precision and noise ~1e-7 on protein), GLM predictive;
+* last-layer / diag / KFAC Laplace (``gs.Laplace``): prior precision and noise by the
+  marginal likelihood (started at 1 and the MAP sigma), GLM predictive. (Before the fix of
+  ``Laplace``'s default ``correction``, the non-MAP term applied with KFAC / diag curvature
+  made this evidence unbounded: prior and noise ran off to ~1e-7 on protein.)
 * FunctionalLaplace: exact GP on a random ``fl_subset`` (default 1000) training points, prior
   and noise by its evidence (eq. 3.19); ELLA: 100 random landmarks (the paper's), prior and
   noise by its Nyström evidence; VaLLA: 100 k-means inducing points, alpha = 1, prior
@@ -159,7 +160,7 @@ def _fit_methods(
             post = None
         elif method in WEIGHT_SPACE:
             post = weight_space_laplace(method, model, "regression", sigma_noise=sigma)
-            post.fit((x, y)).optimize_prior(tune_noise=False)
+            post.fit((x, y)).optimize_prior()
         elif method == "functional_laplace":
             post = gs.FunctionalLaplace(
                 model,

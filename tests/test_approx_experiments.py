@@ -10,6 +10,8 @@
 * approx_active (Fig. 5): replaying a run, every entropy acquisition is the argmax over the
   unlabelled pool of the Bernoulli entropy of the current posterior predictive (recomputed
   from a fresh layer), and the recorded test accuracy / NLL equal the recomputed metrics.
+* approx_gp_classification (Table 3 / 5, Fig. 3): a record's metrics equal a fresh fit sampled
+  with the same generator, rows are mean / s.e. of records, the landscape is the LML on its grid.
 * bad input raises errors naming the argument.
 """
 
@@ -18,12 +20,15 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
 import gaussify as gs
+from gaussify.approx_likelihoods import GPClassifier
 from gaussify.experiments import approx_active as aa
+from gaussify.experiments import approx_gp_classification as gpc
 from gaussify.experiments import approx_streaming as st
 from gaussify.experiments import approx_training as at
 from gaussify.last_layer.exact import ExactLastLayer
@@ -259,6 +264,85 @@ def test_active_summary_and_bad_input(active_res: aa.ActiveResults) -> None:
         aa.run(datasets=["breast_cancer"], acquisitions=["bald"])
     with pytest.raises(ValueError, match="steps"):
         aa.run(datasets=["breast_cancer"], steps=0)
+
+
+# --------------------------------------------------------------------- GP classification
+
+
+@pytest.fixture(scope="module")
+def gp_res() -> gpc.GPClassificationResults:
+    return gpc.run(
+        datasets=["iris"],
+        splits=[0, 1],
+        methods=["moment-ori", "gauss"],
+        default_max_train=45,
+        max_test=20,
+        num_samples=64,
+        max_iter=15,
+    )
+
+
+def test_gp_records_equal_a_recomputed_fit(gp_res: gpc.GPClassificationResults) -> None:
+    """A record's error / NLL / ECE equal a fresh GPClassifier fitted and sampled the same way
+    (same pseudo-likelihood, L-BFGS budget and Monte Carlo generator), and each row is the mean
+    and standard error of its records."""
+    rec = next(r for r in gp_res.records if (r["split"], r["method"]) == (1, "moment-ori"))
+    ds = gs.data.load("iris", seed=1, max_train=45, dtype=torch.float64)
+    gp = GPClassifier("moment-ori", gpc.FIG3_ALPHA["moment-ori"], noise=gpc.GAUSS_NOISE)
+    gp.fit(ds.x_train, ds.y_train, 3, max_iter=15)
+    gen = torch.Generator().manual_seed(1000 * 1 + 7)
+    gp.predict_proba(ds.x_train, num_samples=64, generator=gen)  # the training-likelihood draw
+    probs = gp.predict_proba(ds.x_test[:20], num_samples=64, generator=gen)
+    y = ds.y_test[:20]
+    assert rec["n_train"] == 45 and rec["n_test"] == 20 and rec["classes"] == 3
+    assert rec["error"] == pytest.approx(1 - gs.metrics.accuracy(probs, y), abs=1e-12)
+    assert rec["nll"] == pytest.approx(gs.metrics.nll(probs.clamp_min(1e-300), y), rel=1e-10)
+    assert rec["ece"] == pytest.approx(gs.metrics.ece(probs, y), abs=1e-12)
+    assert rec["lengthscale"] == pytest.approx(gp.lengthscale.flatten().tolist(), rel=1e-10)
+    for row in gp_res.rows:
+        errs = [
+            r["error"]
+            for r in gp_res.records
+            if (r["dataset"], r["method"]) == (row["dataset"], row["method"])
+        ]
+        se = float(np.std(errs, ddof=1) / math.sqrt(len(errs)))
+        assert row["error"] == pytest.approx((float(np.mean(errs)), se), abs=1e-12)
+    assert gp_res.cpu_s is not None and gp_res.cpu_s > 0
+    assert json.loads(json.dumps(gp_res.to_dict()))["experiment"] == "approx_gp_classification"
+
+
+def test_gp_landscape_is_the_lml_on_the_grid() -> None:
+    scape = gpc.landscape(
+        "iris",
+        methods=["variational"],
+        log_lengthscales=[-0.5, 0.5, 1.5],
+        log_variances=[-1.0, 1.0],
+        max_train=30,
+    )
+    entry = scape["methods"]["variational"]
+    ds = gs.data.load("iris", seed=0, max_train=30, dtype=torch.float64)
+    gp = GPClassifier("variational", 0.1, hyperparameters="shared")
+    gp.set_data(ds.x_train, ds.y_train, 3)
+    for i, lv in enumerate(scape["log_variance"]):
+        for j, ll in enumerate(scape["log_lengthscale"]):
+            ref = gp.log_marginal_likelihood(
+                torch.tensor([[ll]], dtype=torch.float64), torch.tensor([lv], dtype=torch.float64)
+            )
+            assert entry["lml"][i][j] == pytest.approx(float(ref), rel=1e-10)
+    assert entry["lml_optimum"] >= max(max(r) for r in entry["lml"]) - 1e-9
+
+
+def test_gp_experiment_bad_input() -> None:
+    with pytest.raises(ValueError, match="datasets"):
+        gpc.run(datasets=["nope"])
+    with pytest.raises(ValueError, match="datasets"):
+        gpc.run(datasets=["yacht"])
+    with pytest.raises(ValueError, match="methods"):
+        gpc.run(datasets=["iris"], methods=["probit"])
+    with pytest.raises(ValueError, match="splits"):
+        gpc.run(datasets=["iris"], splits=0)
+    with pytest.raises(ValueError, match="alpha_grid"):
+        gpc.run(datasets=["iris"], alpha_grid=[0.1, -0.1])
 
 
 def test_registered_and_cli(tmp_path) -> None:

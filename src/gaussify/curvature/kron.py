@@ -75,7 +75,12 @@ from gaussify.curvature.lastlayer import (
     lastlayer_index,
     lastlayer_num_outputs,
 )
-from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
+from gaussify.curvature.subset import (
+    ParameterSubset,
+    check_prior,
+    expand_prior,
+    require_whole_tensors,
+)
 from gaussify.likelihoods import Likelihood, get_likelihood
 
 __all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
@@ -607,6 +612,7 @@ class KronGGN:
             )
         self.likelihood = get_likelihood(likelihood)
         self.subset = subset = resolve_subset(model, subset)
+        require_whole_tensors(subset, "structure 'kron' (Kronecker factors are per layer)")
         self.ef = ef
         self.chunk_size = chunk_size
         self.mc_samples = mc_samples

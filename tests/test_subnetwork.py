@@ -20,6 +20,7 @@ import gaussify as gs
 from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import jacobians, jvp, per_sample_vjp, squared_vjp_sum, vjp
 from gaussify.curvature.subset import ParameterSubset, select_parameters
+from gaussify.function_space.ntk import ntk
 
 N, D, H, C = 30, 3, 6, 2
 PRIOR = 0.7
@@ -233,6 +234,11 @@ def test_samples_keep_the_other_weights_at_the_map() -> None:
         close(outs[s], clone(x[:4]).detach())
     samples = la.function_samples(x[:4], 3, method="nn", generator=torch.Generator().manual_seed(6))
     close(samples, outs)
+    # full=True for a tensor subset: the other tensors at their current values
+    last = gs.Laplace(model, "regression", "diag", subset="last_layer").fit((x, y))
+    vectors = last.sample(2, torch.Generator().manual_seed(7), full=True)
+    assert torch.equal(vectors[:, :24], theta_all(model)[:24].expand(2, -1))
+    assert torch.equal(vectors[:, 24:], last.sample(2, torch.Generator().manual_seed(7)))
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -445,6 +451,11 @@ def test_bad_subnetworks_raise_naming_the_argument() -> None:
         make_curvature("kron", model, "classification", idx)
     with pytest.raises(ValueError, match=r"subset: a subnetwork .* supported by gs\.Laplace"):
         gs.LGVA(model, "classification", subset=idx)
+    with pytest.raises(ValueError, match=r"subset: a subnetwork .* supported by gs\.Laplace"):
+        ntk(model, torch.randn(2, D).double(), subset=idx)
+    forced = select_parameters(model, idx, subnetwork=True)
+    with pytest.raises(ValueError, match="subset: this computation needs whole parameter"):
+        ntk(model, torch.randn(2, D).double(), subset=forced)
     with pytest.raises(ValueError, match="n: expected 1 <= n <= 38"):
         gs.subnetwork.largest_magnitude(model, 0)
     with pytest.raises(TypeError, match="n: expected an integer"):

@@ -336,7 +336,7 @@ class GaussNewtonCurvature:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.likelihood = get_likelihood(likelihood)
-        self.subset = resolve_subset(model, subset)
+        self.subset = resolve_subset(model, subset, subnetwork=True)
         if not isinstance(ef, bool):
             raise TypeError(f"ef: expected a bool, got {type(ef).__name__}")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:

@@ -41,7 +41,7 @@ from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from gaussify.curvature.subset import ParameterSubset, select_parameters
+from gaussify.curvature.subset import ParameterSubset, require_whole_tensors, select_parameters
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
@@ -71,12 +71,17 @@ DEFAULT_CHUNK_ELEMENTS = 2**24
 MIN_CHUNK_ELEMENTS = 2**16
 
 
-def resolve_subset(model: nn.Module, subset: SubsetLike) -> ParameterSubset:
-    """A :class:`ParameterSubset` for ``subset`` (passed through if it already is one; a mask
-    or index tensor gives a subnetwork, see :mod:`gaussify.curvature.subset`)."""
+def resolve_subset(
+    model: nn.Module, subset: SubsetLike, *, subnetwork: bool = False
+) -> ParameterSubset:
+    """A :class:`ParameterSubset` for ``subset`` (passed through if it already is one). With
+    ``subnetwork=True`` (callers that handle individual weights) a mask or index tensor gives a
+    subnetwork (:mod:`gaussify.curvature.subset`); otherwise a subnetwork raises."""
     if isinstance(subset, ParameterSubset):
+        if not subnetwork:
+            require_whole_tensors(subset, "this computation")
         return subset
-    return select_parameters(model, subset, subnetwork=True)
+    return select_parameters(model, subset, subnetwork=subnetwork)
 
 
 def auto_chunk_size(num_samples: int, per_sample: int, chunk_size: int | None = None) -> int:
@@ -231,7 +236,7 @@ def per_sample_vjp(
     ``torch.func.vjp``. A subnetwork's products are those of its support tensors with the
     selected columns gathered, chunk by chunk (chunks sized by the support).
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     if cotangents.ndim != 3 or cotangents.shape[0] != x.shape[0]:
         raise ValueError(
@@ -302,7 +307,7 @@ def jacobians(
     support tensors' one with the selected columns gathered per chunk (chunks sized by the
     support), so no (N, C, P_support) array is formed.
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     params, frozen = _split(model, subset)
     f_single = _single_sample_fn(model, frozen)
@@ -333,7 +338,7 @@ def jvp_with_outputs(
     Forward-mode ``torch.func.jvp`` of the batched network (the linearised network's change,
     thesis eq. 2.26), chunked over samples.
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     if v.shape != (subset.num_params,):
         raise ValueError(f"v: expected shape ({subset.num_params},), got {tuple(v.shape)}")
@@ -368,7 +373,7 @@ def vjp(
 ) -> Tensor:
     """sum_n J_n^T u_n, shape (P,), for output-space vectors u (N, C) (thesis eq. 2.23 with
     u = r gives the gradient of the log likelihood). Reverse mode on the batched network."""
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     n = x.shape[0]
     if u.ndim != 2 or u.shape[0] != n:
@@ -594,7 +599,7 @@ def squared_vjp_sum(
     A subnetwork's sums are its entries of the support tensors' sums (one P_support
     temporary).
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     if subset.indices is not None:
         total, f = squared_vjp_sum(model, x, subset.support, cotangents, chunk_size, budget=budget)

@@ -611,7 +611,7 @@ class KronGGN:
                 "ef=True uses the observed targets; it cannot be combined with mc_samples > 0"
             )
         self.likelihood = get_likelihood(likelihood)
-        self.subset = subset = resolve_subset(model, subset)
+        self.subset = subset = resolve_subset(model, subset, subnetwork=True)
         require_whole_tensors(subset, "structure 'kron' (Kronecker factors are per layer)")
         self.ef = ef
         self.chunk_size = chunk_size

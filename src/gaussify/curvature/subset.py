@@ -245,8 +245,9 @@ def require_whole_tensors(subset: ParameterSubset, what: str) -> None:
     if subset.indices is not None:
         raise ValueError(
             f"subset: {what} needs whole parameter tensors, but the subset is a subnetwork of "
-            f"{subset.num_params} individual weights; use structure 'full' (the subnetwork-"
-            "inference choice), 'diag' or 'lowrank', or select whole tensors by name"
+            f"{subset.num_params} individual weights; select whole tensors by name, or use "
+            "gs.Laplace with structure 'full' (the subnetwork-inference choice), 'diag' or "
+            "'lowrank'"
         )
 
 

@@ -114,7 +114,7 @@ class Laplace:
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
         self.structure = structure
-        self.subset: ParameterSubset = resolve_subset(model, subset)
+        self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
         if structure == "kron":
             require_whole_tensors(self.subset, "structure 'kron' (Kronecker factors are per layer)")
         self.temperature = temperature

@@ -119,10 +119,9 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from gaussify.plots import save_figure  # sets the headless backend
 
     g = out["grid"][:, 0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -149,10 +148,7 @@ def main() -> None:
     right.set_ylabel("mean function sd")
     right.set_title("solid: over [-4, 4]; dashed: in the gap", fontsize=9)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=120)
-    print(f"wrote {FIGURE}")
+    print(f"wrote {save_figure(fig, FIGURE, dpi=120)}")
 
 
 if __name__ == "__main__":

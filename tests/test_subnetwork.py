@@ -456,6 +456,8 @@ def test_bad_subnetworks_raise_naming_the_argument() -> None:
     forced = select_parameters(model, idx, subnetwork=True)
     with pytest.raises(ValueError, match="subset: this computation needs whole parameter"):
         ntk(model, torch.randn(2, D).double(), subset=forced)
+    with pytest.raises(ValueError, match="indices: expected a non-empty, strictly increasing"):
+        ParameterSubset(forced.names, forced.shapes, indices=torch.tensor([3, 1]))
     with pytest.raises(ValueError, match="n: expected 1 <= n <= 38"):
         gs.subnetwork.largest_magnitude(model, 0)
     with pytest.raises(TypeError, match="n: expected an integer"):

@@ -305,7 +305,7 @@ def jacobians(
     inputs given; to bound memory over a data set, call it per batch. Raises ``ValueError``
     naming the parameter when an entry is NaN or infinite. A subnetwork's Jacobian is the
     support tensors' one with the selected columns gathered per chunk (chunks sized by the
-    support), so no (N, C, P_support) array is formed.
+    support), so at most one chunk's (B, C, P_support) block exists at a time.
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)

@@ -48,6 +48,25 @@ class ParameterSubset:
     shapes: tuple[torch.Size, ...]
     indices: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        idx = self.indices
+        if idx is None:
+            return
+        width = sum(self.numels)
+        if (
+            not isinstance(idx, Tensor)
+            or idx.dtype != torch.long
+            or idx.ndim != 1
+            or idx.numel() == 0
+            or int(idx.min()) < 0
+            or int(idx.max()) >= width
+            or not bool((idx[1:] > idx[:-1]).all())
+        ):
+            raise ValueError(
+                f"indices: expected a non-empty, strictly increasing 1-D LongTensor of positions "
+                f"in [0, {width}), got {idx!r}"
+            )
+
     @property
     def numels(self) -> tuple[int, ...]:
         """Elements of each named tensor."""

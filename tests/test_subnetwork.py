@@ -487,7 +487,8 @@ def test_parity_with_laplace_torch_subnet_laplace(structure: str) -> None:
     la = gs.Laplace(
         model, "classification", structure, subset=idx, prior_precision=PRIOR, correction=False
     ).fit((x, y), batch_size=10)
-    # laplace-torch's curvlinops GGN is rounded to float32 (see test_laplace_torch_parity.py)
+    # measured: agreement to ~1e-15 relative; the tolerance leaves room for a laplace-torch
+    # backend that rounds its GGN to float32 (see test_laplace_torch_parity.py)
     tol = {"rtol": 1e-6, "atol": 1e-8}
     ref_precision = ref.posterior_precision.double()
     if structure == "diag":
@@ -502,3 +503,24 @@ def test_parity_with_laplace_torch_subnet_laplace(structure: str) -> None:
     torch.testing.assert_close(la.log_marginal_likelihood(), lml.double(), **tol)
     full = la.sample(3, full=True)
     assert full.shape == ref.sample(3).shape
+
+
+def test_reward_model_on_a_subnetwork_pushes_the_posterior_through_r() -> None:
+    from gaussify.weight_space import BradleyTerry, predict_reward, preference_pairs
+
+    net = mlp(out=1)
+    gen = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(N, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    y = torch.randint(0, 2, (N, 1), generator=gen).double()
+    idx = torch.tensor([2, 7, 20, 25, 30])  # indices of the pair model = those of r
+    la = gs.Laplace(BradleyTerry(net), "binary", "full", subset=idx, prior_precision=PRIOR)
+    la.fit((preference_pairs(a, b), y))
+    xt = torch.randn(4, D, dtype=torch.float64)
+    js = jac_all(net, xt)[..., idx]
+    close(predict_reward(la, xt).f_cov, js @ la.posterior_covariance @ js.transpose(1, 2))
+    # and the pair posterior is the block of the GGN of r(a) - r(b)
+    jd = jac_all(net, a)[..., idx] - jac_all(net, b)[..., idx]
+    with torch.no_grad():
+        p = torch.sigmoid(net(a) - net(b))
+    precision = torch.einsum("ncp,nc,ncq->pq", jd, p * (1 - p), jd) + PRIOR * torch.eye(5).double()
+    close(la.posterior_precision, precision)

@@ -3,17 +3,17 @@
 Subnetwork inference keeps a full-covariance Laplace posterior over a small set S of the
 weights and a point mass at the MAP for every other weight: q(theta) = N(theta_S; theta*_S,
 A_S^-1) x delta(theta_rest - theta*_rest), with A_S = G_SS / T + P0_S the S x S block of the
-GGN posterior precision (the paper's eq. 6 -- 8). Its predictive is the GLM predictive with
+GGN posterior precision. Its predictive is the GLM predictive with
 the Jacobian columns of S only, J_S Sigma_S J_S^T. Which weights to keep is the question
 answered here; every selector returns the sorted indices (a ``LongTensor``) of the chosen
 weights in the vector of all trainable parameters flattened in ``named_parameters()`` order,
 which ``gs.Laplace(model, ..., subset=indices)`` takes directly (laplace-torch's
 ``subnetwork_indices``):
 
-* :func:`largest_variance` -- the paper's choice: the n weights with the largest marginal
-  variance under a diagonal Laplace over all weights (its Sec. 4 argues this maximises the
-  retained predictive uncertainty of a factorised approximation; laplace-torch's
-  ``LargestVarianceDiagLaplaceSubnetMask``);
+* :func:`largest_variance` -- the paper's rule: the n weights with the largest marginal
+  variance, here under a diagonal Laplace over all weights (keeping the subnetwork closest in
+  Wasserstein-2 distance to the full posterior, when that is approximated as diagonal;
+  laplace-torch's ``LargestVarianceDiagLaplaceSubnetMask``);
 * :func:`largest_magnitude` -- the n weights of largest |theta*| (``LargestMagnitudeSubnetMask``);
 * :func:`random` -- n weights uniformly without replacement (``RandomSubnetMask``);
 * :func:`by_name` -- every weight of the named parameters or modules
@@ -83,7 +83,7 @@ def largest_variance(
     **curvature_options: Any,
 ) -> Tensor:
     """The ``n`` weights with the largest marginal variance 1 / (diag(G)_i + P0_i) under a
-    diagonal Laplace-GGN over all weights fitted on ``data`` (Daxberger et al. 2021, Sec. 4).
+    diagonal Laplace-GGN over all weights fitted on ``data`` (Daxberger et al. 2021).
 
     ``prior_precision`` and ``sigma_noise`` are those of that diagonal Laplace (the paper uses
     the same prior as the subnetwork posterior); ``curvature_options`` (e.g. ``mc_samples``

@@ -407,6 +407,11 @@ def test_bad_inputs_raise_naming_the_argument():
         BetaGaussian("moment").pseudo_targets(torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="num_classes"):
         BetaGaussian("moment").pseudo_targets(torch.tensor([0, 1]), 3)
+    # ... and through the training loss
+    with pytest.raises(ValueError, match=r"y: labels must be in \[0, 4\)"):
+        GaussianApproxLoss("moment")(torch.randn(3, 4), torch.tensor([0, 4, 1]))
+    with pytest.raises(ValueError, match=r"y: labels must be in \[0, 2\)"):
+        GaussianApproxLoss("moment", basis="logit")(torch.randn(3, 1), torch.tensor([0, 2, 1]))
 
 
 # --- the training loss (eq. 3) ---------------------------------------------------------------

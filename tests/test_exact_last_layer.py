@@ -12,6 +12,7 @@ import torch
 from scipy import integrate, stats
 
 from gaussify.approx_likelihoods import BetaGaussian, DirichletGaussian
+from gaussify.approx_likelihoods.pseudo_targets import SUPPORTED_BASES
 from gaussify.last_layer.active import ActiveLearner, active_learning, predictive_entropy
 from gaussify.last_layer.adf import ADFLastLayer, SGDLastLayer, adf_moments
 from gaussify.last_layer.exact import ExactLastLayer
@@ -49,13 +50,8 @@ def _reference_posterior(phi, y, pl, num_classes, delta):
 
 
 BATCHINGS = [[40], [1] * 40, [7, 1, 13, 19], [3, 30, 2, 5]]
-SETTINGS = [
-    ("moment-ori", "log"),
-    ("variational", "log"),
-    ("gauss", "log"),
-    ("variational", "logit"),
-    ("moment", "logit"),
-]
+#: every (method, basis) pair the pseudo-likelihoods support
+SETTINGS = [(m, b) for m, bases in SUPPORTED_BASES.items() for b in bases]
 
 
 @pytest.mark.parametrize(("method", "basis"), SETTINGS)
@@ -267,3 +263,20 @@ def test_active_learning_loop():
     assert len(random.chosen) == 5
     with pytest.raises(ValueError, match="acquisition"):
         active_learning(phi[:80], y[:80], phi[80:], y[80:], acquisition="bald")
+
+
+def test_active_learning_bad_input_names_the_argument():
+    phi, y = _data(n=30, c=2, seed=4)
+    pool, test = (phi[:20], y[:20]), (phi[20:], y[20:])
+    with pytest.raises(ValueError, match=r"y_pool: labels must be in \[0, 2\)"):
+        active_learning(pool[0], pool[1] + 1, *test, steps=1)
+    with pytest.raises(ValueError, match=r"y_test: labels must be in \[0, 2\)"):
+        active_learning(*pool, test[0], test[1] - 1, steps=1)
+    with pytest.raises(ValueError, match=r"y_pool: labels must be in \[0, 3\)"):
+        active_learning(pool[0], pool[1] - 1, test[0], test[1] + 1, basis="log", steps=1)
+    with pytest.raises(TypeError, match="y_pool"):
+        active_learning(pool[0], pool[1].double(), *test, steps=1)
+    with pytest.raises(ValueError, match="alpha_eps"):
+        active_learning(*pool, *test, alpha_eps=0.0, steps=1)
+    with pytest.raises(ValueError, match="basis"):
+        active_learning(*pool, *test, method="moment-ori", basis="logit", steps=1)

@@ -10,7 +10,9 @@ quadrature.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from gaussify.approx_likelihoods.gp_classification import (
 )
 
 DT = torch.float64
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "gp_classification.py"
 METHODS = ("moment-ori", "moment", "laplace", "variational", "gauss")
 
 
@@ -195,31 +198,13 @@ def test_latent_predictive_equals_dense_solves() -> None:
         assert torch.allclose(var[:, c], ref_var, atol=1e-10)
 
 
-def _gpytorch_model(gpytorch, x, y, alpha, gp: GPClassifier):
-    likelihood = gpytorch.likelihoods.DirichletClassificationLikelihood(
-        y, alpha_epsilon=alpha, learn_additional_noise=False, dtype=DT
-    )
-    c = likelihood.num_classes
-    batch = torch.Size((c,))
-
-    class Model(gpytorch.models.ExactGP):
-        def __init__(self) -> None:
-            super().__init__(x, likelihood.transformed_targets, likelihood)
-            self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
-            self.covar_module = gpytorch.kernels.ScaleKernel(
-                gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
-            )
-
-        def forward(self, inputs):
-            return gpytorch.distributions.MultivariateNormal(
-                self.mean_module(inputs), self.covar_module(inputs)
-            )
-
-    model = Model().to(DT)
-    model.mean_module.constant.data = gp.mean.clone()
-    model.covar_module.base_kernel.lengthscale = gp.lengthscale.reshape(c, 1, 1)
-    model.covar_module.outputscale = gp.variance.clone()
-    return model, likelihood
+def _benchmark_module():
+    """``benchmarks/gp_classification.py``, whose gpytorch model is the reference here."""
+    spec = importlib.util.spec_from_file_location("gp_classification_benchmark", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_moment_ori_equals_gpytorch_dirichlet_classification() -> None:
@@ -228,7 +213,9 @@ def test_moment_ori_equals_gpytorch_dirichlet_classification() -> None:
     alpha = 0.01
     gp = GPClassifier("moment-ori", alpha)
     gp.fit(ds.x_train, ds.y_train, 3)
-    model, likelihood = _gpytorch_model(gpytorch, ds.x_train, ds.y_train, alpha, gp)
+    model, likelihood = _benchmark_module().gpytorch_dirichlet_gp(
+        gpytorch, ds.x_train, ds.y_train, gp
+    )
     assert torch.allclose(likelihood.transformed_targets, gp._targets, atol=1e-12)
     assert torch.allclose(likelihood.noise, gp._noise, atol=1e-12)
     model.train()
@@ -319,6 +306,15 @@ def test_bad_input_errors() -> None:
     x, y = _toy()
     with pytest.raises(ValueError, match="method"):
         GPClassifier("probit")
+    for alpha in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="alpha_eps: must be positive"):
+            GPClassifier("moment", alpha)
+    with pytest.raises(ValueError, match="beta_eps"):
+        GPClassifier("moment", 0.1, basis="logit", beta_eps=0.0)
+    with pytest.raises(ValueError, match="basis: method 'moment-ori' supports"):
+        GPClassifier("moment-ori", basis="logit")
+    with pytest.raises(ValueError, match=r"y: labels must be in \[0, 2\)"):
+        GPClassifier("moment", 0.1, basis="logit").fit(x, y)  # labels 0, 1, 2
     with pytest.raises(ValueError, match="hyperparameters"):
         GPClassifier(hyperparameters="tied")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mean"):

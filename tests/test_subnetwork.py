@@ -524,3 +524,22 @@ def test_reward_model_on_a_subnetwork_pushes_the_posterior_through_r() -> None:
         p = torch.sigmoid(net(a) - net(b))
     precision = torch.einsum("ncp,nc,ncq->pq", jd, p * (1 - p), jd) + PRIOR * torch.eye(5).double()
     close(la.posterior_precision, precision)
+
+
+@pytest.mark.parametrize("structure", ["full", "diag"])
+def test_subnetwork_of_a_cnn_takes_the_conv_route_and_matches_the_oracle(structure: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 5 * 5, C)
+    ).double()
+    model.eval()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 1, 5, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, C, (12,), generator=gen)
+    idx = torch.tensor([0, 5, 17, 19, 30, 77])  # conv weight, conv bias, linear weight
+    la = gs.Laplace(model, "classification", structure, subset=idx, prior_precision=PRIOR)
+    la.fit((x, y), batch_size=5)
+    expected = ggn_all(model, x, "classification")[idx][:, idx]
+    if structure == "diag":
+        expected = torch.diag(expected.diagonal())
+    close(la.posterior_precision, expected + PRIOR * torch.eye(6).double())

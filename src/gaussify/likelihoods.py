@@ -216,7 +216,10 @@ class Categorical:
     def hessian_sqrt(self, f: Tensor) -> Tensor:
         p = torch.softmax(_check_f(f), dim=-1)
         s = p.sqrt()
-        return torch.diag_embed(s) - p.unsqueeze(-1) * s.unsqueeze(-2)
+        # one (N, C, C) allocation: -p s^T, then + diag(s) in place
+        out = torch.mul(p.unsqueeze(-1), s.unsqueeze(-2)).neg_()
+        out.diagonal(dim1=-2, dim2=-1).add_(s)
+        return out
 
     def inverse_link(self, f: Tensor) -> Tensor:
         return torch.softmax(_check_f(f), dim=-1)

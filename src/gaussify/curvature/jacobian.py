@@ -15,14 +15,16 @@ Memory is bounded by chunking over samples: at most a ``(chunk, K, P)`` block of
 products exists at once, never an ``(N, C, P)`` array over a whole data set unless asked for
 (:func:`jacobians` returns one for the inputs it is given, which the caller chunks).
 
-Speed: parameters of plain ``nn.Linear`` layers (the bulk of most networks) take a per-layer
-route in :func:`per_sample_vjp` and :func:`squared_vjp_sum`: one forward pass with hooks and one
-batched (vmapped) backward pass over the K cotangents give each layer's inputs a and output
-gradients delta, and the per-sample products are delta ⊗ a (the identity KFAC and BackPACK use);
-the diagonal needs only (delta^2)^T (a^2). A traced layer must have run once and each of its
-parameters must enter the autograd graph of the outputs exactly once, so a weight that is also
-used outside its module falls back to the generic ``torch.func`` path, which every other
-parameter takes.
+Speed: parameters of plain ``nn.Linear`` and ``nn.Conv2d`` layers (the bulk of most networks)
+take a per-layer route in :func:`per_sample_vjp` and :func:`squared_vjp_sum`: one forward pass
+with hooks and one batched (vmapped) backward pass over the K cotangents give each layer's
+inputs a and output gradients delta, and the per-sample products are delta ⊗ a for a linear
+layer (the identity KFAC and BackPACK use; the diagonal needs only (delta^2)^T (a^2)) and
+sum_t delta_t a_t^T over the T output locations of a convolution, with a_t the unfolded input
+patches (im2col, :func:`conv2d_patches`; any stride, padding, padding mode, dilation and
+groups). A traced layer must have run once on batched inputs and each of its parameters must
+enter the autograd graph of the outputs exactly once, so a weight that is also used outside
+its module falls back to the generic ``torch.func`` path, which every other parameter takes.
 
 Shapes: inputs ``x (N, ...)``, outputs ``f (N, C)``, parameters flattened in
 ``model.named_parameters()`` order of the subset, ``P = subset.num_params``.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.func as tfunc
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -50,6 +53,7 @@ __all__ = [
     "auto_chunk_size",
     "check_eval_mode",
     "chunk_slices",
+    "conv2d_patches",
     "jacobians",
     "jvp",
     "jvp_with_outputs",
@@ -253,7 +257,7 @@ def per_sample_vjp(
                 for sl in chunk_slices(n, chunk)
             ]
         )
-    linears = _hookable_linears(model, subset)
+    linears = _hookable_linears(model, subset, convs=True)
     generic = None if linears else _generic_per_sample_vjp(model, subset)
     named = dict(model.named_parameters())
     offsets = dict(zip(subset.names, _offsets(subset), strict=True))
@@ -270,6 +274,10 @@ def per_sample_vjp(
             block = torch.empty(u.shape[0], k, subset.num_params, dtype=u.dtype, device=u.device)
             filled: set[str] = set()
             for tr in traces:
+                if tr.conv is not None:
+                    _write_conv_products(tr, block, offsets)
+                    filled.update(name for _, name in tr.params)
+                    continue
                 deltas = tr.deltas.permute(1, 0, 2)  # (B, K, out)
                 for kind, name in tr.params:
                     start, numel = offsets[name]
@@ -293,6 +301,26 @@ def per_sample_vjp(
         _check_finite(block, subset, model)
         blocks.append(block)
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def _write_conv_products(
+    tr: _LinearTrace, block: Tensor, offsets: dict[str, tuple[int, int]]
+) -> None:
+    """Write a traced convolution's per-sample products into ``block`` (B, K, P): the weight
+    columns sum_t delta_t a_t^T (:func:`_conv_weight_grads`), the bias columns sum_t delta_t."""
+    conv = tr.conv
+    assert conv is not None
+    k, b = tr.deltas.shape[:2]
+    for kind, name in tr.params:
+        start, numel = offsets[name]
+        target = block[:, :, start : start + numel]
+        if kind == "weight":
+            patches = conv2d_patches(conv, tr.inputs)
+            rows = target.view(b, k, conv.out_channels, -1)
+            for j in range(k):
+                rows[:, j].copy_(_conv_weight_grads(conv, patches, tr.deltas[j]))
+        else:
+            target.copy_(tr.deltas.sum((-2, -1)).transpose(0, 1))
 
 
 def jacobians(
@@ -394,16 +422,29 @@ def vjp(
     return total
 
 
-def _hookable_linears(model: nn.Module, subset: ParameterSubset) -> dict[str, list[str]]:
-    """Plain ``nn.Linear`` modules owning subset parameters that no other module shares:
-    module name -> ["weight"] / ["bias"] / both."""
+def _plain_conv2d(module: nn.Module) -> bool:
+    """An ``nn.Conv2d`` whose forward pass is the library's own (no subclass changing it)."""
+    return (
+        isinstance(module, nn.Conv2d)
+        and type(module).forward is nn.Conv2d.forward
+        and type(module)._conv_forward is nn.Conv2d._conv_forward
+    )
+
+
+def _hookable_linears(
+    model: nn.Module, subset: ParameterSubset, *, convs: bool = False
+) -> dict[str, list[str]]:
+    """Plain ``nn.Linear`` modules (and, with ``convs``, plain ``nn.Conv2d`` modules) owning
+    subset parameters that no other module shares: module name -> ["weight"] / ["bias"] /
+    both."""
     owners = Counter(
         id(p) for m in model.modules() for p in m._parameters.values() if p is not None
     )
     chosen = set(subset.names)
     found: dict[str, list[str]] = {}
     for mod_name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+        linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        if not (linear or (convs and _plain_conv2d(module))):
             continue
         prefix = f"{mod_name}." if mod_name else ""
         kinds = [
@@ -422,12 +463,69 @@ def _hookable_linears(model: nn.Module, subset: ParameterSubset) -> dict[str, li
 class _LinearTrace:
     """One plain linear layer on the per-layer route: its inputs a (B, D_in), the gradients of
     sum_n u_{n,k}^T f_n with respect to its outputs, delta (K, B, D_out), and its parameters in
-    the subset as (kind, full name)."""
+    the subset as (kind, full name). For a convolution (``conv`` set) the inputs are the
+    layer's (B, C_in, H, W) input and delta is (K, B, C_out, H_out, W_out)."""
 
     module: str
     inputs: Tensor
     deltas: Tensor
     params: list[tuple[str, str]]
+    conv: nn.Conv2d | None = None
+    #: the layer's output in the autograd graph of f (kept only by ``_traces_from(...,
+    #: backward=False)``, whose caller runs the backward passes itself)
+    output: Tensor | None = None
+
+
+def conv2d_patches(module: nn.Conv2d, inp: Tensor, name: str = "") -> Tensor:
+    """The unfolded input patches (im2col) of a ``nn.Conv2d``, shape (N, C_in kh kw, T).
+
+    The module's own padding first (any ``padding_mode``, ``'same'`` and ``'valid'``
+    included), then ``F.unfold`` with its kernel size, dilation and stride: column t is the
+    receptive field a_t of output location t in the (channel, kh, kw) order of
+    ``weight.reshape(C_out, -1)``, so the layer is s_t = W a_t + b at each of its T output
+    locations (with ``groups`` = G, group g's rows are its C_in / G channels and its weight
+    rows are output channels [g C_out / G, (g + 1) C_out / G)). ``name`` only labels errors.
+    """
+    if not isinstance(module, nn.Conv2d):
+        raise TypeError(f"module: expected an nn.Conv2d, got {type(module).__name__}")
+    if inp.ndim != 4:
+        raise ValueError(
+            f"Conv2d module {name or '<root>'!r}: expected a batched (N, C, H, W) input, got "
+            f"shape {tuple(inp.shape)} (the per-sample route needs one batch dimension)"
+        )
+    left, right, top, bottom = module._reversed_padding_repeated_twice
+    if module.padding_mode == "zeros" and left == right and top == bottom:
+        padding = (top, left)  # unfold pads with zeros itself, without a padded copy
+    else:
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        inp = F.pad(inp, (left, right, top, bottom), mode=mode)
+        padding = (0, 0)
+    return F.unfold(
+        inp, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
+    )
+
+
+def _conv_weight_grads(conv: nn.Conv2d, patches: Tensor, deltas: Tensor) -> Tensor:
+    """Per-sample weight gradients of a convolution for one output vector, (B, C_out, in/G).
+
+    For sample n: sum_t delta_{n,o,t} a_{n,i,t} over the T output locations, one batched matmul
+    over (sample, group) of delta (out/G, T) with the patches (T, in/G), in = C_in kh kw.
+    ``patches`` (B, C_in kh kw, T) from :func:`conv2d_patches`, ``deltas`` (B, C_out, H_out,
+    W_out). Row o is W[o] flattened (the weight's own (C_out, C_in/G, kh, kw) order).
+    """
+    b, groups, t = deltas.shape[0], conv.groups, patches.shape[-1]
+    d = deltas.reshape(b * groups, conv.out_channels // groups, t)
+    a = patches.view(b * groups, patches.shape[1] // groups, t)
+    return torch.bmm(d, a.transpose(1, 2)).view(b, conv.out_channels, -1)
+
+
+def _conv_per_sample_elements(conv: nn.Conv2d, inp: int, out: int) -> int:
+    """Elements one sample's conv route holds while it streams over the output vectors: its
+    input ``inp`` and output ``out`` sizes (saved by the forward pass), one output gradient,
+    the patches and one weight gradient."""
+    t = out // conv.out_channels
+    patches = conv.weight[0].numel() * conv.groups * t
+    return 2 * out + inp + patches + conv.weight.numel()
 
 
 def _linear_traces(
@@ -446,8 +544,20 @@ def _linear_traces(
     batched parameter gradient is sum_n delta_n a_n^T); a weight also used elsewhere in the
     forward pass has two, and the layer then falls back to the generic path.
     """
-    named = dict(model.named_parameters())
-    captured: dict[str, list[tuple[Tensor, Tensor]]] = {name: [] for name in linears}
+    f, captured = _traced_forward(model, x, linears)
+    u = cotangents(f.detach()) if callable(cotangents) else cotangents
+    return _traces_from(model, f, captured, linears, u)
+
+
+_Captured = dict[str, list[tuple[Tensor, Tensor]]]
+
+
+def _traced_forward(
+    model: nn.Module, x: Tensor, linears: dict[str, list[str]]
+) -> tuple[Tensor, _Captured]:
+    """(f (N, C) with its autograd graph, module name -> [(input, output)] of each call): the
+    forward pass of :func:`_linear_traces`, with hooks on the listed modules."""
+    captured: _Captured = {name: [] for name in linears}
     handles = []
     for mod_name in linears:
 
@@ -464,28 +574,45 @@ def _linear_traces(
         for handle in handles:
             handle.remove()
     _check_output(f, x.shape[0])
-    u = cotangents(f.detach()) if callable(cotangents) else cotangents
+    return f, captured
+
+
+def _traces_from(
+    model: nn.Module,
+    f: Tensor,
+    captured: _Captured,
+    linears: dict[str, list[str]],
+    u: Tensor,
+    backward: bool = True,
+) -> tuple[Tensor, Tensor, list[_LinearTrace]]:
+    """The backward half of :func:`_linear_traces` for the outputs of :func:`_traced_forward`.
+    With ``backward=False`` no backward pass runs: the traces keep their layer's output (in
+    the graph of the returned f, which is then not detached) and empty deltas."""
+    named = dict(model.named_parameters())
     if u.ndim != 3 or u.shape[0] != f.shape[0] or u.shape[2] != f.shape[1]:
         raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
+    modules = {m: model.get_submodule(m) for m in linears}
     usable = [
         m
         for m, calls in captured.items()
         # one row per sample: a layer run on reshaped inputs (e.g. both members of a pair
         # stacked into 2N rows, or tokens) mixes rows across samples and takes the generic path
+        # (a convolution: one (C, H, W) image per sample)
         if len(calls) == 1
-        and calls[0][0].ndim == 2
+        and calls[0][0].ndim == (4 if isinstance(modules[m], nn.Conv2d) else 2)
         and calls[0][0].shape[0] == f.shape[0]
         and calls[0][1].requires_grad
     ]
     if not usable or not f.requires_grad:
-        return f.detach(), u, []
+        return (f.detach() if backward else f), u, []
     outs = [captured[m][0][1] for m in usable]
     acts = [captured[m][0][0].detach() for m in usable]
     pnames = [(m, kind, f"{m}.{kind}" if m else kind) for m in usable for kind in linears[m]]
     params = [named[full] for _, _, full in pnames]
     u = u.to(f.dtype)
     uses = _graph_uses(f)  # before the backward pass frees the graph's buffers
-    deltas = _batched_output_grads(f, outs, u.transpose(0, 1))
+    empty = u.new_empty(0)
+    deltas = _batched_output_grads(f, outs, u.transpose(0, 1)) if backward else [empty] * len(outs)
     # The route is exact when each traced parameter enters the graph of f once (in its
     # module, which ran once): then d f / d W = sum_n delta_n a_n^T. Counting the parameter's
     # uses in the autograd graph finds weights also used elsewhere without computing any
@@ -501,11 +628,13 @@ def _linear_traces(
             inputs=acts[i],
             deltas=deltas[i],
             params=[(kind, f"{m}.{kind}" if m else kind) for kind in linears[m]],
+            conv=modules[m] if isinstance(modules[m], nn.Conv2d) else None,
+            output=None if backward else outs[i],
         )
         for i, m in enumerate(usable)
         if ok[m]
     ]
-    return f.detach(), u, traces
+    return (f.detach() if backward else f), u, traces
 
 
 def _graph_uses(f: Tensor) -> dict[int, int]:
@@ -534,31 +663,35 @@ def _batched_output_grads(
     f: Tensor, inputs: list[Tensor], grad_outputs: Tensor, retain_graph: bool = False
 ) -> list[Tensor]:
     """Gradients of sum(grad_outputs[k] * f) with respect to ``inputs`` for every k, each
-    stacked to (K, *input.shape): one vmapped backward pass (``is_grads_batched``), or K
-    passes if some operation cannot be batched. Unused inputs get zeros."""
-    try:
+    stacked to (K, *input.shape) (see :func:`_output_grads`). Unused inputs get zeros."""
+    per_k = list(_output_grads(f, inputs, grad_outputs, retain_graph))
+    return [torch.stack([row[i] for row in per_k]) for i in range(len(inputs))]
+
+
+def _output_grads(
+    f: Tensor, inputs: list[Tensor], grad_outputs: Tensor, retain_graph: bool = False
+) -> Iterator[list[Tensor]]:
+    """For k = 1..K, the gradients of sum(grad_outputs[k] * f) with respect to ``inputs``
+    (zeros for an unused one), one backward pass each (the graph is kept until the last).
+
+    K plain backward passes, not one vmapped pass (``is_grads_batched``): torch's batching
+    rules for pooling and activation backward kernels fall back to slow per-slice loops, and
+    measured on the benchmark CNN and a 784-120-84-10 MLP (batch 32 / 256, 10 vectors, one
+    thread) the loop takes 20 ms vs 44 ms and 2 ms vs 10 ms. A caller that consumes the
+    gradients one k at a time holds one batch of them instead of K."""
+    k = grad_outputs.shape[0]
+    for j in range(k):
         grads = torch.autograd.grad(
             f,
             inputs,
-            grad_outputs=grad_outputs,
+            grad_outputs=grad_outputs[j],
+            retain_graph=retain_graph or j < k - 1,
             allow_unused=True,
-            is_grads_batched=True,
-            retain_graph=retain_graph,
         )
-    except RuntimeError:
-        per_k = [
-            torch.autograd.grad(f, inputs, grad_outputs=g, retain_graph=True, allow_unused=True)
-            for g in grad_outputs
+        yield [
+            g.detach() if g is not None else torch.zeros_like(t)
+            for g, t in zip(grads, inputs, strict=True)
         ]
-        grads = tuple(
-            None if any(row[i] is None for row in per_k) else torch.stack([row[i] for row in per_k])
-            for i in range(len(inputs))
-        )
-    k = grad_outputs.shape[0]
-    return [
-        g.detach() if g is not None else torch.zeros(k, *t.shape, dtype=t.dtype, device=t.device)
-        for g, t in zip(grads, inputs, strict=True)
-    ]
 
 
 def _offsets(subset: ParameterSubset) -> list[tuple[int, int]]:
@@ -587,15 +720,21 @@ def squared_vjp_sum(
     cotangents depend on the outputs, so they are given as a function ``f (N, C) -> U (N, K, C)``
     evaluated after the forward pass (once, on all N outputs).
 
-    Parameters of plain ``nn.Linear`` layers take the per-layer route (:func:`_linear_traces`):
-    the squared per-sample gradient of W summed over samples is (delta^2)^T (a^2), with no
-    per-sample tensor, about K gradient passes in all. Every other parameter uses chunked
-    ``torch.func`` per-sample products. ``budget`` (elements) bounds one chunk's layer
-    gradients delta (K x the layers' output sizes per sample) and inputs: when the batch
-    exceeds it, the outputs and cotangents are computed first by a forward pass without
-    gradients and the per-layer route runs over chunks of samples (``chunk_size``, if given,
-    also sets the chunks of both routes). With ``out`` (P,) the sums are added to it in place
-    (it is returned), so no P-sized temporaries are formed besides the check of the route.
+    Parameters of plain ``nn.Linear`` and ``nn.Conv2d`` layers take the per-layer route
+    (:func:`_linear_traces`), about K gradient passes in all: for a linear weight the squared
+    per-sample gradient summed over samples is (delta^2)^T (a^2), with no per-sample tensor;
+    a convolution's per-sample gradient sum_t delta_t a_t^T (over its T output locations, from
+    the im2col patches) does not factor that way, so it is formed for chunks of samples,
+    squared and summed. Every other parameter uses chunked ``torch.func`` per-sample products.
+    ``budget`` (elements) bounds one chunk's linear-layer gradients delta (K x the layers'
+    output sizes per sample) and inputs; a convolution's per-sample tensors (its output
+    gradients, patches and weight gradients, which exceed a small curvature's storage for a
+    single image) are bounded by the fixed budget ``DEFAULT_CHUNK_ELEMENTS`` instead, the one
+    the generic per-sample products use. When the batch exceeds them, the outputs and
+    cotangents are computed first by a forward pass without gradients and the per-layer route
+    runs over chunks of samples (``chunk_size``, if given, also sets the chunks of both
+    routes). With ``out`` (P,) the sums are added to it in place (it is returned), so no
+    P-sized temporaries are formed besides the check of the route.
     A subnetwork's sums are its entries of the support tensors' sums (one P_support
     temporary).
     """
@@ -608,7 +747,7 @@ def squared_vjp_sum(
         if out.shape != (subset.num_params,):
             raise ValueError(f"out: expected shape ({subset.num_params},), got {tuple(out.shape)}")
         return out.add_(subset.gather(total).to(out.dtype)), f
-    linears = _hookable_linears(model, subset)
+    linears = _hookable_linears(model, subset, convs=True)
     n = x.shape[0]
     if out is None:
         dtype = dict(model.named_parameters())[subset.names[0]].dtype
@@ -618,18 +757,65 @@ def squared_vjp_sum(
     if not linears or (budget is None and chunk_size is None):
         f = _add_squared_sums(model, x, subset, linears, cotangents, chunk_size, out)
     else:
-        f = model_outputs(model, x)
-        u = cotangents(f)
-        if u.ndim != 3 or u.shape[0] != n or u.shape[2] != f.shape[1]:
-            raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
-        modules = [model.get_submodule(m) for m in linears]
-        # delta (K x out), the saved activations and a^2 (about 2 x (in + out)) per sample
-        per_sample = sum((u.shape[1] + 2) * m.out_features + 2 * m.in_features for m in modules)
-        chunk = chunk_size or max(1, min(n, (budget or n * per_sample) // max(per_sample, 1)))
-        for sl in chunk_slices(n, chunk):
-            _add_squared_sums(model, x[sl], subset, linears, u[sl], chunk_size, out)
+        # The layers' sizes per sample from a forward pass on one sample: if the whole batch
+        # fits the budget, one pass with hooks does everything; else the outputs (hence the
+        # cotangents) come from a forward pass without gradients and the per-layer route runs
+        # over chunks of samples.
+        sizes = _layer_sizes(model, x[:1], list(linears))
+        chunk = chunk_size or _layer_chunk(model, sizes, n, budget)
+        if chunk >= n:
+            f = _add_squared_sums(model, x, subset, linears, cotangents, chunk_size, out)
+        else:
+            f = model_outputs(model, x)
+            u = cotangents(f)
+            if u.ndim != 3 or u.shape[0] != n or u.shape[2] != f.shape[1]:
+                raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
+            for sl in chunk_slices(n, chunk):
+                _add_squared_sums(model, x[sl], subset, linears, u[sl], chunk_size, out)
     _check_finite(out, subset, model)
     return out, f
+
+
+def _layer_sizes(model: nn.Module, x: Tensor, modules: list[str]) -> dict[str, tuple[int, int]]:
+    """{module: (input, output) elements per sample} from a forward pass without gradients on
+    ``x`` (one sample), for sizing the chunks of the per-layer route."""
+    sizes: dict[str, tuple[int, int]] = {}
+    handles = []
+    for name in modules:
+
+        def hook(_m: nn.Module, inputs: tuple[Tensor, ...], out: Tensor, key: str = name) -> None:
+            rows = max(x.shape[0], 1)
+            sizes[key] = (inputs[0].numel() // rows, out.numel() // rows)
+
+        handles.append(model.get_submodule(name).register_forward_hook(hook))
+    try:
+        model_outputs(model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sizes
+
+
+def _layer_chunk(
+    model: nn.Module, sizes: dict[str, tuple[int, int]], n: int, budget: int | None
+) -> int:
+    """Samples per chunk of the per-layer route, which streams over the output vectors: the
+    linear layers' per-sample tensors (one delta and sum_k delta^2 (out each), the saved
+    output and input and a^2: 3 out + 2 in) within ``budget``, the convolutions' within the
+    fixed ``DEFAULT_CHUNK_ELEMENTS``."""
+    linear = conv = 0
+    for name, (inp, out) in sizes.items():
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Conv2d):
+            conv += _conv_per_sample_elements(module, inp, out)
+        else:
+            linear += 3 * out + 2 * inp
+    chunk = n
+    if linear:
+        chunk = min(chunk, (budget or n * linear) // linear)
+    if conv:
+        chunk = min(chunk, DEFAULT_CHUNK_ELEMENTS // conv)
+    return max(1, chunk)
 
 
 def _add_squared_sums(
@@ -649,21 +835,13 @@ def _add_squared_sums(
         start, numel = offsets[name]
         return out[start : start + numel].view(named[name].shape)
 
-    f, u, traces = _linear_traces(model, x, linears, cotangents)
-    done = set()
-    for tr in traces:
-        # sum_k delta_k^2 first (B, out): sum_{k,n} delta^2 a^2 = sum_n (sum_k delta^2) a^2,
-        # so no (K, B, out) square is formed.
-        d_sq = torch.zeros_like(tr.deltas[0])
-        for d in tr.deltas:
-            d_sq.addcmul_(d, d)
-        d_sq = d_sq.to(out.dtype)
-        for kind, name in tr.params:
-            if kind == "weight":
-                view(name).addmm_(d_sq.T, tr.inputs.to(out.dtype).square())
-            else:
-                view(name).add_(d_sq.sum(0))
-            done.add(name)
+    f, captured = _traced_forward(model, x, linears)
+    u = cotangents(f.detach()) if callable(cotangents) else cotangents
+    f, u, traces = _traces_from(model, f, captured, linears, u, backward=False)
+    del captured
+    _stream_squares(traces, f, u, view, out.dtype)
+    f = f.detach()
+    done = {name for tr in traces for _, name in tr.params}
     rest = [n for n in subset.names if n not in done]
     if rest:
         sub = ParameterSubset(names=tuple(rest), shapes=tuple(named[n].shape for n in rest))
@@ -675,3 +853,58 @@ def _add_squared_sums(
         for name, value in sub.unflatten(total).items():
             view(name).add_(value.to(out.dtype))
     return f
+
+
+def _stream_squares(
+    traces: list[_LinearTrace],
+    f: Tensor,
+    u: Tensor,
+    view: Callable[[str], Tensor],
+    dtype: torch.dtype,
+) -> None:
+    """sum_n sum_k (per-sample gradient)^2 of the traced layers' parameters, added into
+    ``view(name)``, with one backward pass per output vector k whose layer gradients delta
+    are used and dropped before the next (one batch of them is alive, not K).
+
+    Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta^2) a^2, so sum_k delta^2 (B, out) is
+    accumulated and multiplied by a^2 once. Convolution: the per-sample gradient
+    sum_t delta_t a_t^T does not factor, so it is formed per k (one batched matmul with the
+    im2col patches, :func:`_conv_weight_grads`), squared and summed; its bias gradient is
+    sum_t delta_t.
+    """
+    if not traces:
+        return
+    d_sq: dict[str, Tensor] = {}  # linear layers: sum_k delta_k^2 (B, out)
+    patches: dict[str, Tensor] = {}
+    for tr in traces:
+        kinds = dict(tr.params)
+        if tr.conv is not None and "weight" in kinds:
+            patches[tr.module] = conv2d_patches(tr.conv, tr.inputs, tr.module)
+    outputs = [tr.output for tr in traces]
+    assert all(o is not None for o in outputs)
+    for grads in _output_grads(f, outputs, u.transpose(0, 1)):  # type: ignore[arg-type]
+        for tr, d in zip(traces, grads, strict=True):
+            kinds = dict(tr.params)
+            if tr.conv is None:
+                if tr.module in d_sq:
+                    d_sq[tr.module].addcmul_(d, d)
+                else:
+                    d_sq[tr.module] = d * d
+                continue
+            if "weight" in kinds:
+                grads_w = _conv_weight_grads(tr.conv, patches[tr.module], d)
+                view(kinds["weight"]).view(tr.conv.out_channels, -1).add_(
+                    grads_w.square_().sum(0).to(dtype)
+                )
+            if "bias" in kinds:
+                view(kinds["bias"]).add_(d.sum((-2, -1)).square().sum(0).to(dtype))
+        del grads
+    for tr in traces:
+        if tr.conv is not None or tr.module not in d_sq:
+            continue
+        sq = d_sq.pop(tr.module).to(dtype)
+        for kind, name in tr.params:
+            if kind == "weight":
+                view(name).addmm_(sq.T, tr.inputs.to(dtype).square())
+            else:
+                view(name).add_(sq.sum(0))

@@ -63,11 +63,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gaussify.curvature.base import check_offset, summed_hessian
-from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.jacobian import (
+    SubsetLike,
+    check_eval_mode,
+    conv2d_patches,
+    resolve_subset,
+)
 from gaussify.curvature.lastlayer import (
     OutputLinear,
     lastlayer_chunked,
@@ -110,21 +114,11 @@ def kron_block_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(eigvals > tol, eigvals, torch.zeros_like(eigvals)), eigvecs
 
 
-def _layer_inputs(module: nn.Module, inp: Tensor) -> Tensor:
+def _layer_inputs(module: nn.Module, inp: Tensor, name: str = "") -> Tensor:
     """A layer's input as ``(N, T, in)``: T weight-sharing locations per data point."""
     if isinstance(module, nn.Conv2d):
-        if inp.ndim != 4:
-            raise ValueError(
-                f"kron: Conv2d expects a batched (N, C, H, W) input, got shape {tuple(inp.shape)}"
-            )
-        # The module's own padding (any padding_mode, 'same' included), then plain unfold,
-        # whose patch order (channel, kh, kw) matches weight.reshape(out, -1).
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(inp, module._reversed_padding_repeated_twice, mode=mode)
-        patches = F.unfold(
-            x, module.kernel_size, dilation=module.dilation, padding=0, stride=module.stride
-        )
-        return patches.transpose(1, 2)
+        # im2col patches in the (channel, kh, kw) order of weight.reshape(out, -1)
+        return conv2d_patches(module, inp, name).transpose(1, 2)
     if inp.ndim < 2:
         raise ValueError(
             f"kron: Linear expects a batched (N, ..., in) input, got shape {tuple(inp.shape)}"
@@ -754,7 +748,7 @@ class KronGGN:
                     g = _layer_output_grads(modules[ly.path], g)
                     _gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
             for ly in self._layers:
-                a = _layer_inputs(modules[ly.path], captured[ly.path][0][0])
+                a = _layer_inputs(modules[ly.path], captured[ly.path][0][0], ly.path)
                 a = _augment(a, ly.weight is not None, ly.bias is not None)
                 _gram(a, self.kfac_approx, "mean", out=self._a[ly.path])
                 per_point = a.shape[1] if self.kfac_approx == "expand" else 1

@@ -18,7 +18,6 @@ probit predictive, 200 steps, 8 seeds.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from gaussify import data as gdata
+from gaussify.experiments._report import add_output_arguments, report
 from gaussify.last_layer.active import active_learning
 from gaussify.plots import save_figure
 
@@ -287,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--pool-size", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="breast_cancer, 1 seed, 20 steps")
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--figure", type=Path, default=None, help="write the curves PNG")
+    add_output_arguments(parser, "write the curves PNG")
     args = parser.parse_args(argv)
     res = run(
         datasets=args.datasets,
@@ -297,16 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         pool_size=args.pool_size,
     )
-    print("Test accuracy / NLL (mean over seeds) against labelled points")
-    print(res.table())
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.figure is not None:
-        print(f"wrote {plot(res, args.figure)}")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    title = "Test accuracy / NLL (mean over seeds) against labelled points"
+    return report(res, args, title=title, plot=plot)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ of a kernel shared by both classes on ionosphere, per method, at the paper's ``a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ import torch
 from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods.gp_classification import GPClassifier
+from gaussify.experiments._report import write_json
 
 __all__ = [
     "DATASETS",
@@ -573,9 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["landscape_s"] = time.perf_counter() - start
         print(f"wrote {args.figure}")
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(payload, indent=1) + "\n")
-        print(f"wrote {args.output}")
+        print(f"wrote {write_json(args.output, payload)}")
     return 0
 
 

@@ -27,7 +27,6 @@ Scaled from the paper (full MNIST / Fashion-MNIST streams on a GPU) to the shipp
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from torch import Tensor
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.experiments._report import add_output_arguments, report
 from gaussify.last_layer.adf import ADFLastLayer, SGDLastLayer
 from gaussify.last_layer.exact import ExactLastLayer
 from gaussify.plots import save_figure
@@ -478,8 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--prior-logit-var", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 200 points")
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--figure", type=Path, default=None, help="write the Fig. 4 PNG")
+    add_output_arguments(parser, "write the Fig. 4 PNG")
     args = parser.parse_args(argv)
     res = run(
         datasets=args.datasets,
@@ -490,18 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         prior_logit_var=args.prior_logit_var,
     )
-    print("Test log-likelihood ± s.e. (accuracy) against points seen")
-    print(res.table())
-    for note in res.notes:
-        print("note:", note)
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.figure is not None:
-        print(f"wrote {plot(res, args.figure)}")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    title = "Test log-likelihood ± s.e. (accuracy) against points seen"
+    return report(res, args, title=title, plot=plot)
 
 
 if __name__ == "__main__":

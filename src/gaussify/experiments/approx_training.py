@@ -23,7 +23,6 @@ epochs (digits 30) of AdamW (lr 1e-3, decoupled weight decay 1e-4, batch 64), th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods import GaussianApproxLoss
 from gaussify.approx_likelihoods.pseudo_targets import SUPPORTED_BASES
+from gaussify.experiments._report import add_output_arguments, report
 from gaussify.plots import save_figure
 
 __all__ = [
@@ -467,8 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "--alphas", nargs="+", type=float, default=None, help="Table 4 sweep, e.g. 0.01 0.05 0.1"
     )
     parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 1 epoch")
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--figure", type=Path, default=None, help="write a PNG of the table")
+    add_output_arguments(parser, "write a PNG of the table")
     args = parser.parse_args(argv)
     res = run(
         datasets=args.datasets,
@@ -479,16 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs,
         alphas=args.alphas,
     )
-    print("Test metrics, mean ± s.e. over seeds")
-    print(res.table())
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.figure is not None:
-        print(f"wrote {plot(res, args.figure)}")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    return report(res, args, title="Test metrics, mean ± s.e. over seeds", plot=plot)
 
 
 if __name__ == "__main__":

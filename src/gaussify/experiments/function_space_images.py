@@ -42,6 +42,11 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
+from gaussify.experiments.function_space_regression import (
+    WEIGHT_SPACE,
+    run_datasets,
+    weight_space_laplace,
+)
 
 __all__ = [
     "ANGLES",
@@ -173,11 +178,8 @@ def _fit(
     seed = cfg["seed"]
     if method == "map":
         return None
-    if method in ("last_layer", "diag", "kfac"):
-        structure = {"last_layer": "full", "diag": "diag", "kfac": "kron"}[method]
-        subset = "last_layer" if method == "last_layer" else "all"
-        la = gs.Laplace(model, "classification", structure, subset=subset)
-        return la.fit((x, y)).optimize_prior()
+    if method in WEIGHT_SPACE:
+        return weight_space_laplace(method, model, "classification").fit((x, y)).optimize_prior()
     if method == "functional_laplace":
         fl = gs.FunctionalLaplace(
             model,
@@ -255,15 +257,7 @@ def run(
         "valla_epochs": valla_epochs,
         "quick": quick,
     }
-    before = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    records: list[dict[str, Any]] = []
-    try:
-        for name in datasets:
-            records += _run_dataset(name, methods, cfg, keep_predictions)
-    finally:
-        torch.set_num_threads(before)
+    records = run_datasets(_run_dataset, cfg, keep_predictions, num_threads)
     return ImageResults(records, cfg, _notes(records), time.perf_counter() - start)
 
 

@@ -26,7 +26,6 @@ NLL is at least as good as ELLA's; :attr:`ToyResults.notes` states whether it is
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
+from gaussify.experiments._report import add_output_arguments, report
 from gaussify.plots import save_figure
 from gaussify.predictive import Predictive
 
@@ -315,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-inducing", type=int, nargs="+", default=None)
     parser.add_argument("--figure-m", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--figure", type=Path, default=None, help="write the PNG here")
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    add_output_arguments(parser, "write the PNG here")
     args = parser.parse_args(argv)
     res = run(
         quick=args.quick,
@@ -325,19 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         figure=args.figure,
     )
-    print(
+    title = (
         f"LLA hyperparameters: prior precision {res.hyper['prior_precision']:.4g}, "
         f"sigma {res.hyper['sigma_noise']:.4g}"
     )
-    print(res.table())
-    for note in res.notes:
-        print("note:", note)
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    return report(res, args, title=title)  # run() drew the figure
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gaussify import metrics
-from gaussify.approx_likelihoods.pseudo_targets import Basis, Method
+from gaussify.approx_likelihoods.pseudo_targets import Basis, Method, check_labels
 from gaussify.last_layer.exact import ExactLastLayer
 from gaussify.predictive import LinkName, Predictive
 
@@ -127,12 +127,16 @@ def active_learning(
     """Run Sec. 4.3's active-learning loop: ``num_initial`` random labelled points, then
     ``steps`` acquisitions of one point each, evaluating test accuracy and NLL after each.
 
-    ``basis="logit"`` is Bayesian logistic regression (binary labels); ``"log"`` a softmax
-    last layer. Returns an :class:`ActiveLearningResult`.
+    ``basis="logit"`` is Bayesian logistic regression (labels in {0, 1}); ``"log"`` a
+    softmax last layer (classes ``0..max label``). Returns an :class:`ActiveLearningResult`.
     """
     generator = torch.Generator().manual_seed(seed)
-    num_classes = int(max(int(y_pool.max()), int(y_test.max())) + 1)
-    num_classes = max(num_classes, 2)
+    if basis == "logit":
+        num_classes = 2
+    else:
+        num_classes = max(int(max(int(y_pool.max()), int(y_test.max())) + 1), 2)
+    y_pool = check_labels(y_pool, num_classes, "y_pool")
+    y_test = check_labels(y_test, num_classes, "y_test")
     layer = ExactLastLayer(
         phi_pool.shape[1],
         num_classes,

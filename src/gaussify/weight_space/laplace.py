@@ -76,7 +76,13 @@ class Laplace:
     (structures "full", "diag", "lowrank"; the posterior covers the selected weights in that
     order and every other weight stays at its MAP value).
     ``prior_precision``: scalar, one per parameter tensor, or one per parameter.
-    ``correction``: include the non-MAP correction of thesis Thm 3.3 in the evidence.
+    ``correction``: include the non-MAP correction of thesis Thm 3.3 in the evidence. The term
+    1/2 b^T A^-1 b is the gain of the Newton step to the linearised model's posterior mean, so
+    it is exact only when A is that model's exact precision (the full GGN). With an
+    approximate A (diag, kron, lowrank, EF or Monte Carlo curvature) it can exceed the largest
+    gain possible (for regression, the whole residual sum of squares) and grows without bound
+    as the prior precision and noise shrink, so tuning runs off to ~1e-7. Default (None): on
+    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence).
     ``prior_mean``: mean m0 of the Gaussian prior N(m0, P0^-1), a scalar or one value per
     parameter (e.g. the previous task's posterior mean in continual learning); default 0.
     Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)
@@ -101,7 +107,7 @@ class Laplace:
         sigma_noise: float | Tensor = 1.0,
         temperature: float = 1.0,
         *,
-        correction: bool = True,
+        correction: bool | None = None,
         generator: torch.Generator | None = None,
         prior_mean: float | Tensor = 0.0,
         **curvature_options: Any,
@@ -118,7 +124,12 @@ class Laplace:
         if structure == "kron":
             require_whole_tensors(self.subset, "structure 'kron' (Kronecker factors are per layer)")
         self.temperature = temperature
-        self.correction = correction
+        exact = (
+            structure == "full"
+            and not curvature_options.get("ef")
+            and not curvature_options.get("mc_samples")
+        )
+        self.correction = exact if correction is None else bool(correction)
         self.generator = generator
         self.curvature_options = curvature_options
         self._dtype = next(model.parameters()).dtype

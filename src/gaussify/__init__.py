@@ -18,7 +18,7 @@ from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihoo
 from gaussify.marglik import marglik_training
 from gaussify.predictive import Predictive
 from gaussify.training import train_map
-from gaussify.weight_space import GLMVI, LGVA, OGGN, VOGGN, Laplace
+from gaussify.weight_space import GLMVI, LGVA, OGGN, VOGGN, Laplace, subnetwork
 
 __all__ = [
     "ELLA",
@@ -44,6 +44,7 @@ __all__ = [
     "likelihoods",
     "marglik_training",
     "metrics",
+    "subnetwork",
     "train_map",
 ]
 __version__ = "0.1.0"

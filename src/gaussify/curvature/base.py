@@ -311,7 +311,8 @@ class GaussNewtonCurvature:
     from ``torch.func`` per-sample vector-Jacobian products.
 
     Arguments: ``likelihood`` a name or object (:func:`gaussify.likelihoods.get_likelihood`);
-    ``subset`` "all", "last_layer", a list of module / parameter names or a ParameterSubset;
+    ``subset`` "all", "last_layer", a list of module / parameter names, a subnetwork (mask or
+    indices over individual weights, :mod:`gaussify.curvature.subset`) or a ParameterSubset;
     ``ef`` use the empirical Fisher instead of the GGN; ``mc_samples`` > 0 estimates Lambda from
     that many sampled labels per input (0 = exact); ``chunk_size`` samples per chunk (default:
     a fixed memory budget); ``generator`` seeds the label samples; ``last_layer_identity``
@@ -335,7 +336,7 @@ class GaussNewtonCurvature:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.likelihood = get_likelihood(likelihood)
-        self.subset = resolve_subset(model, subset)
+        self.subset = resolve_subset(model, subset, subnetwork=True)
         if not isinstance(ef, bool):
             raise TypeError(f"ef: expected a bool, got {type(ef).__name__}")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
@@ -466,7 +467,8 @@ class GaussNewtonCurvature:
         off the last-layer feature path)."""
         n = f.shape[0]
         k = self._num_factors(f.shape[1])
-        chunk = self._chunk(n, k * self.num_params)
+        # a subnetwork's products are formed over its support tensors, then gathered
+        chunk = self._chunk(n, k * self.subset.support.num_params)
         for sl in chunk_slices(n, chunk):
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
             if phi is not None and self._layer is not None:

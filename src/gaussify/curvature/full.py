@@ -280,7 +280,7 @@ class FullGGN(GaussNewtonCurvature):
         f, phi = self._forward(model, x, check_offset(offset, x.shape[0]))
         draws = self._draw(f)
         k = self._num_factors(f.shape[1])
-        single = self._chunk(f.shape[0], k * self.num_params) >= f.shape[0]
+        single = self._chunk(f.shape[0], k * self.subset.support.num_params) >= f.shape[0]
         target = self.ggn if single else torch.zeros_like(self.ggn)
         for block in self._products(model, x, y, f, phi, draws):
             flat = block.reshape(-1, block.shape[-1]).to(self.dtype)

@@ -44,7 +44,7 @@ from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from gaussify.curvature.subset import ParameterSubset, select_parameters
+from gaussify.curvature.subset import ParameterSubset, require_whole_tensors, select_parameters
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
@@ -64,7 +64,7 @@ __all__ = [
     "vjp",
 ]
 
-SubsetLike = str | Sequence[str] | ParameterSubset
+SubsetLike = str | Sequence[str] | Tensor | ParameterSubset
 
 #: Budget (in tensor elements) for one chunk of per-sample products, ``chunk * K * P``.
 #: 2**24 elements are 128 MiB in float64.
@@ -75,11 +75,17 @@ DEFAULT_CHUNK_ELEMENTS = 2**24
 MIN_CHUNK_ELEMENTS = 2**16
 
 
-def resolve_subset(model: nn.Module, subset: SubsetLike) -> ParameterSubset:
-    """A :class:`ParameterSubset` for ``subset`` (passed through if it already is one)."""
+def resolve_subset(
+    model: nn.Module, subset: SubsetLike, *, subnetwork: bool = False
+) -> ParameterSubset:
+    """A :class:`ParameterSubset` for ``subset`` (passed through if it already is one). With
+    ``subnetwork=True`` (callers that handle individual weights) a mask or index tensor gives a
+    subnetwork (:mod:`gaussify.curvature.subset`); otherwise a subnetwork raises."""
     if isinstance(subset, ParameterSubset):
+        if not subnetwork:
+            require_whole_tensors(subset, "this computation")
         return subset
-    return select_parameters(model, subset)
+    return select_parameters(model, subset, subnetwork=subnetwork)
 
 
 def auto_chunk_size(num_samples: int, per_sample: int, chunk_size: int | None = None) -> int:
@@ -171,7 +177,7 @@ def _check_finite(block: Tensor, subset: ParameterSubset, model: nn.Module) -> N
     # it is not finite, which keeps the check to one read of the block.
     if torch.isfinite(block.sum()) or torch.isfinite(block).all():
         return
-    parts = torch.split(block, list(subset.numels), dim=-1)
+    parts = torch.split(block, list(subset.counts), dim=-1)
     for name, part in zip(subset.names, parts, strict=True):
         if not torch.isfinite(part).all():
             mod_name = subset.module_of(name)
@@ -231,14 +237,25 @@ def per_sample_vjp(
     per-layer route (K batched backward passes give each layer's output gradients delta, and
     the per-sample products are delta ⊗ a, written in place; see :func:`_linear_traces`);
     every other parameter uses ``vmap`` over samples of a ``vmap`` over K of
-    ``torch.func.vjp``.
+    ``torch.func.vjp``. A subnetwork's products are those of its support tensors with the
+    selected columns gathered, chunk by chunk (chunks sized by the support).
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     if cotangents.ndim != 3 or cotangents.shape[0] != x.shape[0]:
         raise ValueError(
             f"cotangents: expected shape (N, K, C) with N = {x.shape[0]}, "
             f"got {tuple(cotangents.shape)}"
+        )
+    if subset.indices is not None:
+        support = subset.support
+        n, k = cotangents.shape[:2]
+        chunk = auto_chunk_size(n, k * support.num_params, chunk_size)
+        return torch.cat(
+            [
+                subset.gather(per_sample_vjp(model, x[sl], support, cotangents[sl], chunk))
+                for sl in chunk_slices(n, chunk)
+            ]
         )
     linears = _hookable_linears(model, subset, convs=True)
     generic = None if linears else _generic_per_sample_vjp(model, subset)
@@ -314,9 +331,11 @@ def jacobians(
     Thesis eq. 2.22, computed with ``vmap(jacrev(functional_call))`` over samples (C batched
     backward passes), in chunks of ``chunk_size`` samples. The result is (N, C, P) for the
     inputs given; to bound memory over a data set, call it per batch. Raises ``ValueError``
-    naming the parameter when an entry is NaN or infinite.
+    naming the parameter when an entry is NaN or infinite. A subnetwork's Jacobian is the
+    support tensors' one with the selected columns gathered per chunk (chunks sized by the
+    support), so at most one chunk's (B, C, P_support) block exists at a time.
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     params, frozen = _split(model, subset)
     f_single = _single_sample_fn(model, frozen)
@@ -324,13 +343,14 @@ def jacobians(
     n = x.shape[0]
     if n == 0:
         raise ValueError("x: got an empty batch")
+    support = subset.support
     # C is unknown before the first forward; budget as if C were 16 and let users override.
-    chunk = auto_chunk_size(n, 16 * subset.num_params, chunk_size)
+    chunk = auto_chunk_size(n, 16 * support.num_params, chunk_size)
     blocks = []
     for sl in chunk_slices(n, chunk):
-        block = subset.flatten(batched(params, x[sl]))
-        _check_finite(block, subset, model)
-        blocks.append(block)
+        block = support.flatten(batched(params, x[sl]))
+        _check_finite(block, support, model)
+        blocks.append(subset.gather(block))
     return torch.cat(blocks)
 
 
@@ -346,7 +366,7 @@ def jvp_with_outputs(
     Forward-mode ``torch.func.jvp`` of the batched network (the linearised network's change,
     thesis eq. 2.26), chunked over samples.
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     if v.shape != (subset.num_params,):
         raise ValueError(f"v: expected shape ({subset.num_params},), got {tuple(v.shape)}")
@@ -381,7 +401,7 @@ def vjp(
 ) -> Tensor:
     """sum_n J_n^T u_n, shape (P,), for output-space vectors u (N, C) (thesis eq. 2.23 with
     u = r gives the gradient of the log likelihood). Reverse mode on the batched network."""
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
     n = x.shape[0]
     if u.ndim != 2 or u.shape[0] != n:
@@ -715,9 +735,18 @@ def squared_vjp_sum(
     runs over chunks of samples (``chunk_size``, if given, also sets the chunks of both
     routes). With ``out`` (P,) the sums are added to it in place (it is returned), so no
     P-sized temporaries are formed besides the check of the route.
+    A subnetwork's sums are its entries of the support tensors' sums (one P_support
+    temporary).
     """
-    subset = resolve_subset(model, subset)
+    subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
+    if subset.indices is not None:
+        total, f = squared_vjp_sum(model, x, subset.support, cotangents, chunk_size, budget=budget)
+        if out is None:
+            return subset.gather(total), f
+        if out.shape != (subset.num_params,):
+            raise ValueError(f"out: expected shape ({subset.num_params},), got {tuple(out.shape)}")
+        return out.add_(subset.gather(total).to(out.dtype)), f
     linears = _hookable_linears(model, subset, convs=True)
     n = x.shape[0]
     if out is None:

@@ -79,7 +79,12 @@ from gaussify.curvature.lastlayer import (
     lastlayer_index,
     lastlayer_num_outputs,
 )
-from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
+from gaussify.curvature.subset import (
+    ParameterSubset,
+    check_prior,
+    expand_prior,
+    require_whole_tensors,
+)
 from gaussify.likelihoods import Likelihood, get_likelihood
 
 __all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
@@ -600,7 +605,8 @@ class KronGGN:
                 "ef=True uses the observed targets; it cannot be combined with mc_samples > 0"
             )
         self.likelihood = get_likelihood(likelihood)
-        self.subset = subset = resolve_subset(model, subset)
+        self.subset = subset = resolve_subset(model, subset, subnetwork=True)
+        require_whole_tensors(subset, "structure 'kron' (Kronecker factors are per layer)")
         self.ef = ef
         self.chunk_size = chunk_size
         self.mc_samples = mc_samples

@@ -67,7 +67,7 @@ def find_output_linear(model: nn.Module, subset: ParameterSubset) -> OutputLinea
     :func:`forward_with_features`.
     """
     modules = {subset.module_of(n) for n in subset.names}
-    if len(modules) != 1:
+    if len(modules) != 1 or subset.indices is not None:  # a subnetwork is not the whole layer
         return None
     name = modules.pop()
     module = model.get_submodule(name)

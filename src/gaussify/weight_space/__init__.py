@@ -1,5 +1,6 @@
 """Posteriors over the network weights: Laplace-GGN and natural-gradient VI with the GGN."""
 
+from gaussify.weight_space import subnetwork
 from gaussify.weight_space.glm_vi import GLMVI
 from gaussify.weight_space.laplace import Laplace
 from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN, NaturalGradientVI
@@ -15,4 +16,5 @@ __all__ = [
     "NaturalGradientVI",
     "predict_reward",
     "preference_pairs",
+    "subnetwork",
 ]

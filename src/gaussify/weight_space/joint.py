@@ -89,7 +89,7 @@ def function_samples(
         raise ValueError(f"method: expected 'glm' or 'nn', got {method!r}")
     weights = la.sample(num_samples, generator)  # (S, P), shared by every input
     if method == "nn":
-        thetas = la.subset.unflatten(weights)
+        thetas = la.subset.unflatten(weights, base=la.subset.params(la.model))
 
         def run(theta: dict[str, Tensor]) -> Tensor:
             return functional_call(la.model, theta, (x,), strict=False)

@@ -23,9 +23,11 @@ from gaussify.curvature import make_curvature
 from gaussify.curvature.base import LastLayerPrecision
 from gaussify.curvature.jacobian import (
     MIN_CHUNK_ELEMENTS,
+    SubsetLike,
     chunk_slices,
     jacobians,
     jvp_with_outputs,
+    resolve_subset,
     vjp,
 )
 from gaussify.curvature.lastlayer import (
@@ -34,7 +36,13 @@ from gaussify.curvature.lastlayer import (
     lastlayer_jvp,
     lastlayer_vjp,
 )
-from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.curvature.subset import (
+    ParameterSubset,
+    check_prior,
+    expand_prior,
+    require_whole_tensors,
+    select_parameters,
+)
 from gaussify.evidence import (
     gaussian_log_likelihood,
     laplace_log_evidence,
@@ -61,7 +69,12 @@ class Laplace:
 
     ``likelihood``: "classification", "regression", "binary" or a likelihood object.
     ``structure``: "full" | "diag" | "kron" | "lowrank" (curvature structure of G).
-    ``subset``: "all", "last_layer" or a list of parameter/module names.
+    ``subset``: "all", "last_layer", a list of parameter/module names, or a subnetwork of
+    individual weights (subnetwork inference, Daxberger et al. 2021): a boolean mask or an
+    integer tensor of indices into the vector of all trainable parameters in
+    ``named_parameters()`` order, e.g. from :mod:`gaussify.weight_space.subnetwork`
+    (structures "full", "diag", "lowrank"; the posterior covers the selected weights in that
+    order and every other weight stays at its MAP value).
     ``prior_precision``: scalar, one per parameter tensor, or one per parameter.
     ``correction``: include the non-MAP correction of thesis Thm 3.3 in the evidence. The term
     1/2 b^T A^-1 b is the gain of the Newton step to the linearised model's posterior mean, so
@@ -89,7 +102,7 @@ class Laplace:
         model: nn.Module,
         likelihood: str | Likelihood = "classification",
         structure: Structure = "kron",
-        subset: str | list[str] = "all",
+        subset: SubsetLike = "all",
         prior_precision: float | Tensor = 1.0,
         sigma_noise: float | Tensor = 1.0,
         temperature: float = 1.0,
@@ -107,7 +120,9 @@ class Laplace:
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
         self.structure = structure
-        self.subset: ParameterSubset = select_parameters(model, subset)
+        self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
+        if structure == "kron":
+            require_whole_tensors(self.subset, "structure 'kron' (Kronecker factors are per layer)")
         self.temperature = temperature
         exact = (
             structure == "full"
@@ -547,9 +562,28 @@ class Laplace:
         """Marginal posterior variances (P,)."""
         return self.posterior.covariance_diag()
 
-    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Weight samples from q(theta), (S, P) in the subset's flattening order."""
-        return self.mean + self.posterior.sample(num_samples, generator=generator)
+    def sample(
+        self,
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+        *,
+        full: bool = False,
+    ) -> Tensor:
+        """Weight samples from q(theta), (S, P) in the subset's flattening order.
+
+        ``full=True``: (S, P_all) vectors of every trainable parameter in
+        ``named_parameters()`` order (laplace-torch's ``parameters_to_vector`` layout), the
+        entries outside the subset (or subnetwork) at the model's current (MAP) values.
+        """
+        draws = self.mean + self.posterior.sample(num_samples, generator=generator)
+        if not full:
+            return draws
+        everything = select_parameters(self.model, "all")
+        values = {
+            n: v.expand(num_samples, *v.shape) for n, v in everything.params(self.model).items()
+        }
+        values.update(self.subset.unflatten(draws, base=self.subset.params(self.model)))
+        return everything.flatten(values)
 
     # ------------------------------------------------------------------ evidence
     def log_marginal_likelihood(
@@ -633,7 +667,7 @@ class Laplace:
         if granularity == "scalar":
             start = init.mean().reshape(1)
         elif granularity == "layer":
-            start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.numels))])
+            start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
 
@@ -741,7 +775,9 @@ class Laplace:
 
     def _nn_samples(self, x: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
         """Network outputs under sampled weights, (S, N, C)."""
-        thetas = self.subset.unflatten(self.sample(num_samples, generator))
+        thetas = self.subset.unflatten(
+            self.sample(num_samples, generator), base=self.subset.params(self.model)
+        )
 
         def run(theta: dict[str, Tensor]) -> Tensor:
             return functional_call(self.model, theta, (x,), strict=False)
@@ -771,10 +807,21 @@ class Laplace:
         }
         if self._sse is not None:
             state["sse"] = self._sse
+        if self.subset.indices is not None:
+            state["subset_indices"] = self.subset.indices
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` into a Laplace over the same model."""
+        mine, theirs = self.subset.indices, state.get("subset_indices")
+        if (mine is None) != (theirs is None) or (
+            mine is not None and not torch.equal(mine, torch.as_tensor(theirs))
+        ):
+            raise ValueError(
+                "state: was saved for a different subnetwork of individual weights "
+                f"({0 if theirs is None else len(theirs)} selected, this posterior has "
+                f"{0 if mine is None else len(mine)}; 0 = whole tensors)"
+            )
         if state["structure"] != self.structure or list(state["subset"]) != list(self.subset.names):
             raise ValueError(
                 "state: was saved for structure "

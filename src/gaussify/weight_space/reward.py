@@ -20,6 +20,8 @@ output bias (or read credible intervals of *differences* of rewards).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
@@ -83,7 +85,8 @@ def predict_reward(laplace: Laplace, x: Tensor, chunk_size: int = 256) -> Predic
             f"type {type(model).__name__}"
         )
     names = [n.removeprefix(PREFIX) for n in laplace.subset.names]
-    subset = select_parameters(model.reward, names)
+    # the same tensors without the pair wrapper's prefix (and the same subnetwork, if any)
+    subset = replace(select_parameters(model.reward, names), indices=laplace.subset.indices)
     post = laplace.posterior
     shift = laplace.mean - laplace.theta_star
     means, covs = [], []

@@ -127,10 +127,16 @@ def test_float32_full_logdet_matches_the_float64_model() -> None:
     # per-parameter priors take the Cholesky route: factorised in float64 too (a float32
     # Cholesky was off by 0.20 nat at 1e-4 and 0.014 at 1e-3)
     p = curv32.num_params
-    for prior, bound in [(1e-4, 0.05), (1e-3, 0.005), (1.0, 1e-3)]:
+    # The float64 factorisation leaves only the error of storing G in float32, as on the
+    # eigen route; its oracle is the float64 log det of that float32 G, without the eigen
+    # route's clamp of round-off eigenvalues (-eps * lambda_max) to zero.
+    unclamped = torch.linalg.eigvalsh(curv32.ggn.double())
+    for prior, bound in [(1e-4, 0.15), (1e-3, 0.015), (1.0, 1e-3)]:
         chol = curv32.posterior(torch.full((p,), prior))
         assert isinstance(chol, CholeskyPrecision)
         assert chol.logdet().dtype == torch.float32 and chol.cholesky.dtype == torch.float32
+        same_g = float((unclamped + prior).log().sum())
+        assert abs(float(chol.logdet()) - same_g) < 2e-3 * max(1.0, abs(same_g) / 100)
         exact = float(curv64.posterior(prior).logdet())
         assert abs(float(chol.logdet()) - exact) < bound, (prior, float(chol.logdet()) - exact)
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_output_arguments", "report", "write_json"]
+__all__ = ["add_output_arguments", "print_summary", "report", "write_json"]
 
 
 def add_output_arguments(
@@ -28,6 +28,16 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def print_summary(result: Any, title: str | None = None) -> None:
+    """Print ``title``, ``result.table()``, each of ``result.notes`` (if any) and the runtime."""
+    if title is not None:
+        print(title)
+    print(result.table())
+    for note in getattr(result, "notes", ()):
+        print("note:", note)
+    print(f"runtime {result.runtime_s:.1f} s")
+
+
 def report(
     result: Any,
     args: argparse.Namespace,
@@ -35,15 +45,9 @@ def report(
     title: str | None = None,
     plot: Callable[[Any, Path], Path] | None = None,
 ) -> int:
-    """Print ``title``, ``result.table()``, each of ``result.notes`` (if any) and the runtime;
-    draw ``plot(result, args.figure)`` when both are given; write ``result.to_dict()`` to
-    ``args.output`` when given. Returns the exit status 0."""
-    if title is not None:
-        print(title)
-    print(result.table())
-    for note in getattr(result, "notes", ()):
-        print("note:", note)
-    print(f"runtime {result.runtime_s:.1f} s")
+    """:func:`print_summary`; then draw ``plot(result, args.figure)`` when both are given and
+    write ``result.to_dict()`` to ``args.output`` when given. Returns the exit status 0."""
+    print_summary(result, title)
     if plot is not None and args.figure is not None:
         print(f"wrote {plot(result, args.figure)}")
     if args.output is not None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.experiments._report import write_json
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
 
@@ -376,9 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res.summary, indent=1))
     print(f"runtime {res.runtime_s:.1f} s")
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
+        print(f"wrote {write_json(args.output, res.to_dict())}")
     if args.figure is not None:
         print(f"wrote {args.figure}")
     return 0

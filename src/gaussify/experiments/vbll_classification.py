@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ from torch import Tensor, nn
 from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.data import Dataset
+from gaussify.experiments._report import print_summary, write_json
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
 from gaussify.plots import save_figure
 
@@ -770,11 +770,8 @@ def main(argv: list[str] | None = None) -> int:
             epochs=args.epochs,
             max_train=args.max_train,
         )
-        print("Test metrics, mean ± s.e. over seeds (OOD: the other image set)")
-        print(res.table())
-        for note in res.notes:
-            print("note:", note)
-        print(f"runtime {res.runtime_s:.1f} s")
+        title = "Test metrics, mean ± s.e. over seeds (OOD: the other image set)"
+        print_summary(res, title)
         payload = res.to_dict()
     if args.figure is not None:
         t0 = time.perf_counter()
@@ -789,9 +786,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": seconds,
         }
     if args.output is not None and payload:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(payload, indent=1) + "\n")
-        print(f"wrote {args.output}")
+        print(f"wrote {write_json(args.output, payload)}")
     return 0
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.experiments._report import report
 from gaussify.last_layer import VBLLRegression
 from gaussify.last_layer.base import VBLLHead
 from gaussify.weight_space import Laplace
@@ -887,16 +887,8 @@ def main(argv: list[str] | None = None) -> int:
         patience=args.patience,
         max_train=args.max_train,
     )
-    print("Test NLL / RMSE (original units), mean ± s.e. over seeds; paper Table 2 beside")
-    print(res.table())
-    for note in res.notes:
-        print("note:", note)
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    title = "Test NLL / RMSE (original units), mean ± s.e. over seeds; paper Table 2 beside"
+    return report(res, args, title=title)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,17 @@ class DiagGGN(GaussNewtonCurvature):
         scale_t = as_hyperparameter(scale, "scale", self.ggn_diag)
         return DiagonalPrecision(scale_t * self.ggn_diag + expand_prior(prior, self.subset))
 
+    def spectrum(
+        self, groups: Tensor, vectors: list[Tensor]
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """(diag(G) (P,), ``groups``, ``vectors``) in float64: a diagonal G's eigenbasis is the
+        identity, so every prior granularity tunes in closed form (:mod:`gaussify.spectral`)."""
+        return (
+            self.ggn_diag.to(torch.float64),
+            groups,
+            [v.to(torch.float64) for v in vectors],
+        )
+
     def state_dict(self) -> dict[str, Tensor]:
         return {"ggn_diag": self.ggn_diag.clone(), "num_data": torch.tensor(self.num_data)}
 

@@ -905,6 +905,32 @@ class KronGGN:
             blocks, self.subset.num_params, permutation=basis.permutation, eig_flat=eig_flat
         )
 
+    def spectrum(
+        self, groups: Tensor, vectors: list[Tensor]
+    ) -> tuple[Tensor, Tensor, list[Tensor]] | None:
+        """(eigenvalues (P,), prior group per eigenvector (P,), [V^T v for v in vectors]) in
+        block order, for closed-form prior tuning (:mod:`gaussify.spectral`): the eigenvalues
+        of block ``B kron A / M`` are the products ``l_b l_a / M`` and its eigenvectors
+        ``Q_b kron Q_a``, so ``V^T v`` is ``Q_b^T V_mat Q_a`` per block. None when a block holds
+        parameters of different prior groups ``groups`` (P,) (a joint weight+bias block under
+        a per-tensor prior: its bias shift does not commute with the block's eigenvectors)."""
+        basis = self._basis()
+        block_groups = []
+        for index in basis.index:
+            g = groups.to(index.device)[index]
+            if bool((g != g.reshape(-1)[0]).any()):
+                return None
+            block_groups.append(g.reshape(-1))
+        projections = []
+        for v in vectors:
+            v64 = v.to(torch.float64)
+            parts = [
+                (q_b.to(torch.float64).T @ v64[index] @ q_a.to(torch.float64)).reshape(-1)
+                for index, q_b, q_a in zip(basis.index, basis.q_out, basis.q_in, strict=True)
+            ]
+            projections.append(torch.cat(parts))
+        return basis.prod.to(torch.float64), torch.cat(block_groups), projections
+
     # -- serialisation
     def state_dict(self) -> dict[str, Tensor]:
         """Factors ``A.<path>``, ``B.<path>``, normalisers ``M.<path>`` and ``num_data``."""

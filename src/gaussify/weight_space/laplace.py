@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
@@ -55,6 +56,7 @@ from gaussify.predictive import (
     predictive_from_gaussian,
     predictive_from_samples,
 )
+from gaussify.spectral import Spectrum, adam_maximize, build_spectrum
 from gaussify.weight_space.joint import function_samples, joint_predictive
 
 __all__ = ["Laplace"]
@@ -654,8 +656,13 @@ class Laplace:
         dtype = self.mean.dtype
         if method == "grid":
             values = torch.logspace(-4, 4, 41, dtype=dtype) if grid is None else grid.to(dtype)
-            with torch.no_grad():
-                scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
+            spec = self.spectrum("scalar", tune_noise=False)
+            if spec is not None:
+                logs = np.log(values.detach().cpu().to(torch.float64).numpy())
+                scores = torch.tensor([spec.evidence(v.reshape(1))[0] for v in logs])
+            else:
+                with torch.no_grad():
+                    scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
             self.prior_precision = values[int(scores.argmax())].clone()
             return self
         if method != "gradient":
@@ -671,6 +678,22 @@ class Laplace:
         else:
             start = init.clone()
 
+        spec = self.spectrum(granularity, tune_noise=tune_noise)
+        if spec is not None:
+            # closed form in the curvature's eigenbasis: O(P) per step (gaussify.spectral)
+            log_prior, log_sigma = adam_maximize(
+                spec,
+                np.log(start.detach().cpu().to(torch.float64).numpy()),
+                math.log(float(self.sigma_noise)) if tune_noise else None,
+                n_steps=n_steps,
+                lr=lr,
+            )
+            prior_t = torch.as_tensor(np.exp(log_prior), dtype=dtype, device=start.device)
+            self.prior_precision = prior_t.squeeze(0) if granularity == "scalar" else prior_t
+            if log_sigma is not None:
+                self.sigma_noise = torch.tensor(math.exp(log_sigma), dtype=dtype)
+            return self
+
         def objective(prior: Tensor, sigma: Tensor) -> Tensor:
             return self.log_marginal_likelihood(
                 prior.squeeze(0) if granularity == "scalar" else prior, sigma
@@ -685,6 +708,61 @@ class Laplace:
         return self
 
     optimize_prior_precision = optimize_prior
+
+    #: Tune the prior in closed form from the curvature's eigenvalues where the structure
+    #: allows it (a switch for tests and comparisons with the autograd path).
+    _spectral_tuning: bool = True
+
+    def _prior_groups(self, granularity: Granularity) -> Tensor:
+        """(P,) index of the prior value each parameter takes at ``granularity``."""
+        p = self.subset.num_params
+        if granularity == "scalar":
+            return torch.zeros(p, dtype=torch.long)
+        if granularity == "layer":
+            counts = torch.tensor(list(self.subset.counts))
+            return torch.arange(len(counts)).repeat_interleave(counts)
+        return torch.arange(p)
+
+    def spectrum(self, granularity: Granularity, *, tune_noise: bool = False) -> Spectrum | None:
+        """The fitted evidence as a closed-form function of the prior at ``granularity`` (and,
+        with ``tune_noise``, of a scalar regression noise): a :class:`gaussify.spectral.Spectrum`,
+        or None where the structure's eigenbasis does not diagonalise that prior (full with a
+        per-tensor or per-parameter prior, kron with per-parameter or joint weight+bias blocks
+        under per-tensor priors, lowrank, user structures): those tune through autograd."""
+        self._require_fit()
+        method = getattr(self._curvature, "spectrum", None)
+        if not self._spectral_tuning or method is None:
+            return None
+        if tune_noise and self.sigma_noise.ndim != 0:
+            return None
+        theta = self.mean - self.prior_mean
+        groups = self._prior_groups(granularity)
+        out = method(groups, [self._grad, theta] if self.correction else [])
+        if out is None:
+            return None
+        eigenvalues, eig_groups, projections = out
+        sigma = self.sigma_noise
+        scale = float(self._scale(sigma))
+        if self.task == "regression":
+            assert self._sse is not None
+            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
+        else:
+            log_lik = self._log_lik / self.temperature
+        tunable = tune_noise and self.task == "regression"
+        sse = self._sse
+        return build_spectrum(
+            eigenvalues,
+            eig_groups,
+            theta,
+            projections,
+            scale_ref=scale,
+            sigma_ref=float(sigma.reshape(-1)[0]),
+            log_lik_ref=float(log_lik),
+            temperature=self.temperature,
+            sse=float(sse.sum()) if tunable and sse is not None else None,
+            count=self.num_data * (sse.numel() if sse is not None else 1),
+            param_group=groups,
+        )
 
     # ------------------------------------------------------------------ prediction
     def _f_star(self, x: Tensor) -> Tensor:

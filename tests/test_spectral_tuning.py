@@ -128,6 +128,8 @@ def test_spectrum_none_where_the_prior_does_not_commute_with_the_eigenbasis() ->
 
 TUNE_CASES = [
     ("classification", "full", {}, "scalar"),
+    ("classification", "full", {"correction": False}, "scalar"),  # the one-prior fast path
+    ("classification", "kron", {}, "scalar"),
     ("classification", "kron", {"kron_bias": "separate"}, "layer"),
     ("classification", "diag", {}, "diag"),
     ("regression", "full", {}, "scalar"),

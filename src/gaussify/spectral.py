@@ -180,6 +180,8 @@ def adam_maximize(
     """``n_steps`` of Adam (``torch.optim.Adam``'s update, betas (0.9, 0.999), eps 1e-8) on
     -log Z over the log prior (K,) and, when ``log_sigma`` is not None, the log noise."""
     beta1, beta2 = ADAM_BETAS
+    if log_sigma is None and spectrum.num_groups == 1 and spectrum.grad_proj is None:
+        return np.array([_adam_scalar(spectrum, float(log_prior[0]), n_steps, lr)]), None
     x = np.array(log_prior, dtype=np.float64)
     tune = log_sigma is not None
     if tune:
@@ -195,3 +197,21 @@ def adam_maximize(
         step = lr / (1 - beta1**t)
         x = x - step * m / (np.sqrt(v) / math.sqrt(1 - beta2**t) + ADAM_EPS)
     return x[:k], (float(x[k]) if tune else None)
+
+
+def _adam_scalar(spectrum: Spectrum, x: float, n_steps: int, lr: float) -> float:
+    """:func:`adam_maximize` for one prior, no correction, fixed noise, in Python floats:
+    d log Z / d log delta = -delta t / 2 + n / 2 - delta / 2 sum_j 1 / (s lambda_j + delta),
+    one pass over the eigenvalues per step."""
+    beta1, beta2 = ADAM_BETAS
+    scaled = spectrum.scale_ref * spectrum.eigenvalues
+    t_sq, half_n = float(spectrum.theta_sq[0]), 0.5 * float(spectrum.group_size[0])
+    m = v = 0.0
+    for t in range(1, n_steps + 1):
+        delta = math.exp(x)
+        trace = float(np.reciprocal(scaled + delta).sum())
+        g = -(half_n - 0.5 * delta * (t_sq + trace))  # Adam minimises -log Z
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        x -= lr / (1 - beta1**t) * m / (math.sqrt(v) / math.sqrt(1 - beta2**t) + ADAM_EPS)
+    return x

@@ -26,8 +26,12 @@ from gaussify.curvature.base import (
     check_offset,
     cholesky_psd,
 )
-from gaussify.curvature.jacobian import SubsetLike
-from gaussify.curvature.lastlayer import OutputLinear, lastlayer_factor_cov
+from gaussify.curvature.jacobian import SubsetLike, chunk_slices
+from gaussify.curvature.lastlayer import (
+    OutputLinear,
+    lastlayer_factor_cov,
+    lastlayer_full_ggn,
+)
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
 
@@ -260,9 +264,13 @@ class FullGGN(GaussNewtonCurvature):
         subset: SubsetLike = "all",
         *,
         eig_cache: bool | None = None,
+        kron_features: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, likelihood, subset, **kwargs)
+        #: on a final nn.Linear subset, accumulate G = sum_n M_n ⊗ phi~ phi~^T from the
+        #: features (O(N C^2 D^2)) instead of the per-sample products (O(N C^3 D^2))
+        self.kron_features = kron_features
         p = self.num_params
         self.ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
         self.eig_cache = eig_cache
@@ -285,6 +293,11 @@ class FullGGN(GaussNewtonCurvature):
         self._check_batch(model, x, y)
         f, phi = self._forward(model, x, check_offset(offset, x.shape[0]))
         draws = self._draw(f)
+        if phi is not None and self._layer is not None and self.kron_features:
+            self._update_from_features(f, y, phi, draws)
+            self.num_data += x.shape[0]
+            self._forget()
+            return
         k = self._num_factors(f.shape[1])
         single = self._chunk(f.shape[0], k * self.subset.support.num_params) >= f.shape[0]
         target = self.ggn if single else torch.zeros_like(self.ggn)
@@ -302,6 +315,35 @@ class FullGGN(GaussNewtonCurvature):
             self.ggn += target
         self.num_data += x.shape[0]
         self._forget()
+
+    def _update_from_features(
+        self, f: Tensor, y: Tensor, phi: Tensor, draws: Tensor | None
+    ) -> None:
+        """Last-layer path: G += sum_n M_n ⊗ phi~_n phi~_n^T from the output layer's features
+        (:func:`gaussify.curvature.lastlayer.lastlayer_full_ggn`), M_n = L_n L_n^T, in chunks
+        of samples whose (B, C, C) and (B, C D') temporaries fit the chunk budget. Checked
+        finite before anything is added (the outputs were checked by the forward pass)."""
+        if not torch.isfinite(phi).all():
+            raise ValueError(
+                "x: the batch gives NaN or infinite Jacobian products (features of the output "
+                "layer not finite); the accumulated curvature is unchanged"
+            )
+        n, c = f.shape
+        width = self.num_params // c
+        chunk = self._chunk(n, c * c + 2 * c * width)
+        target = self.ggn if chunk >= n else torch.zeros_like(self.ggn)
+        for sl in chunk_slices(n, chunk):
+            factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
+            middle = factor @ factor.mT
+            if not torch.isfinite(middle).all():
+                raise ValueError(
+                    "x: the batch gives NaN or infinite Jacobian products; the accumulated "
+                    "curvature is unchanged"
+                )
+            assert self._layer is not None
+            lastlayer_full_ggn(phi[sl], middle, self._layer, target)
+        if target is not self.ggn:
+            self.ggn += target
 
     def _forget(self) -> None:
         """Drop what was derived from G (it changed)."""

@@ -324,3 +324,26 @@ def lastlayer_factor_cov(
 
     shape = (num_outputs,) if var_only else (num_outputs, num_outputs)
     return lastlayer_chunked(block, phi, 2 * num_outputs * factor.shape[-1], shape)
+
+
+# --------------------------------------------------------------------------- full GGN
+
+
+def lastlayer_full_ggn(phi: Tensor, middle: Tensor, layer: OutputLinear, out: Tensor) -> Tensor:
+    """Add sum_n M_n ⊗ phi~_n phi~_n^T to ``out`` (P, P) in subset order, from features
+    phi (N, D) and middle matrices M (N, C, C) (Lambda_n, or L_n L_n^T for Monte Carlo / EF).
+
+    In the [W, b] matrix layout entry ((c, d), (c', d')) is sum_n phi~_nd M_n[c, c'] phi~_nd';
+    row block c is one matmul Phi~^T R_c with R_c[n] = M_n[c, :] ⊗ phi~_n (N, C D'), so the
+    cost is O(N C^2 D'^2) (the generic product route J^T L L^T J costs O(N C^3 D'^2)), no
+    Jacobian is formed and the largest temporary is one (N, C D') block."""
+    num_outputs = middle.shape[1]
+    feats = lastlayer_features(phi, layer).to(out.dtype)
+    n, width = feats.shape
+    index = lastlayer_index(num_outputs, phi.shape[1], layer, device=out.device)
+    cols = index.reshape(1, -1)
+    middle = middle.to(out.dtype)
+    for c in range(num_outputs):
+        rhs = (middle[:, c, :, None] * feats[:, None, :]).reshape(n, num_outputs * width)
+        out.index_put_((index[c].unsqueeze(-1), cols), feats.T @ rhs, accumulate=True)
+    return out

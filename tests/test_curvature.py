@@ -292,7 +292,7 @@ def _posteriors(prior: object, scale: float = 1.7) -> dict[str, PosteriorPrecisi
     lik = _likelihood("categorical")
     full = _fit("full", model, x, y, lik)
     return {
-        "eigen": full.posterior(prior, scale),
+        "eigen": _eig(full).posterior(prior, scale),
         "cholesky": FullGGN.posterior(_no_eig(full), prior, scale),
         "diag": _fit("diag", model, x, y, lik).posterior(prior, scale),
         "lowrank": _fit("lowrank", model, x, y, lik, rank=4).posterior(prior, scale),
@@ -301,6 +301,11 @@ def _posteriors(prior: object, scale: float = 1.7) -> dict[str, PosteriorPrecisi
 
 def _no_eig(curv: FullGGN) -> FullGGN:
     curv.eig_cache = False
+    return curv
+
+
+def _eig(curv: FullGGN) -> FullGGN:
+    curv.eig_cache = True
     return curv
 
 
@@ -409,7 +414,7 @@ def test_logdet_gradients_match_finite_differences(name: str, prior_name: str) -
 
 def test_eig_cached_logdet_equals_cholesky_and_is_cached() -> None:
     model, x, y = _data("bernoulli", seed=10)
-    curv = _fit("full", model, x, y, _likelihood("bernoulli"))
+    curv = _eig(_fit("full", model, x, y, _likelihood("bernoulli")))
     p = curv.num_params
     for prior, scale in [(0.1, 1.0), (3.0, 0.25), (1e-3, 10.0)]:
         eig = curv.posterior(prior, scale)
@@ -420,6 +425,21 @@ def test_eig_cached_logdet_equals_cholesky_and_is_cached() -> None:
     assert curv.eigendecomposition() is cached
     curv.update(model, x[:2], y[:2])
     assert curv.eigendecomposition() is not cached
+
+
+def test_eig_cache_auto_uses_cholesky_once_then_the_eigendecomposition() -> None:
+    # default eig_cache=None: a one-off scalar-prior posterior is a Cholesky factorisation;
+    # the second since the last update (repeated evaluations) computes and caches eigh
+    model, x, y = _data("bernoulli", seed=10)
+    curv = _fit("full", model, x, y, _likelihood("bernoulli"))
+    assert curv.eig_cache is None
+    first, second = curv.posterior(0.5), curv.posterior(0.7)
+    assert isinstance(first, CholeskyPrecision) and isinstance(second, EigenPrecision)
+    torch.testing.assert_close(curv.posterior(0.5).logdet(), first.logdet(), rtol=1e-11, atol=1e-10)
+    curv.update(model, x[:2], y[:2])
+    assert isinstance(curv.posterior(0.5), CholeskyPrecision)
+    curv.eigendecomposition()  # cached by someone else (e.g. tuning with the correction)
+    assert isinstance(curv.posterior(0.5), EigenPrecision)
 
 
 @pytest.mark.parametrize("structure", ["full", "diag", "lowrank"])

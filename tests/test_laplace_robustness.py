@@ -143,7 +143,7 @@ def test_float32_full_logdet_matches_the_float64_model() -> None:
 
 def test_failed_eigendecomposition_falls_back_to_cholesky(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x, y = _classification()
-    curv = make_curvature("full", model, "classification")
+    curv = make_curvature("full", model, "classification", eig_cache=True)
     curv.update(model, x, y)
     curv.posterior(0.5)  # caches the eigendecomposition
     curv.update(model, x[:1], y[:1])

@@ -442,6 +442,8 @@ class FullGGN(GaussNewtonCurvature):
         if eig is not None:
             evals, evecs = eig
             return EigenPrecision(evecs, evals, prior.reshape(()), scale_t, roundoff=self.dtype)
+        if not torch.isfinite(self.ggn).all():
+            raise ValueError("curvature: the accumulated GGN contains NaN or inf")
         diag = expand_prior(prior, self.subset)
         wide = _factor_dtype(self.dtype)  # A formed and factorised in float64 (see class)
         precision = scale_t.to(wide) * self.ggn.to(wide) + torch.diag(diag.to(wide))

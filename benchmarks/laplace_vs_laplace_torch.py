@@ -58,6 +58,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -262,6 +263,13 @@ class GaussifyRunner:
         self.la.fit(loader)
 
     def log_marglik(self, prior: float) -> float:
+        """From the closed form tuning left behind (the eigenvalues it computed), which is
+        how gaussify evaluates the evidence over priors; the dense route would factorise A
+        (for full, an ``eigh`` at the second evaluation: 26 s at P = 3760). The closed form
+        equals the dense evidence to 1e-10 (tests/test_spectral_tuning.py)."""
+        spectrum = self.la.spectrum("scalar")
+        if spectrum is not None:
+            return spectrum.evidence(np.log([prior]))[0]
         with torch.no_grad():
             return float(self.la.log_marginal_likelihood(prior))
 
@@ -281,6 +289,11 @@ class GaussifyRunner:
 
     def curvature(self) -> Tensor:
         """G (dense P x P, or its diagonal for structure="diag")."""
+        curv = self.la._curvature
+        if self.structure == "full":
+            return curv.ggn.clone()
+        if self.structure == "diag":
+            return curv.ggn_diag.clone()
         prior = torch.tensor(MAP_PRIOR, dtype=self.la.mean.dtype)
         with torch.no_grad():
             dense = self.la.posterior_at(prior, self.la.sigma_noise).precision_dense()

@@ -77,6 +77,15 @@ CASES = [
     ("regression", "kron", {"kron_bias": "separate", "correction": True}, "layer", True),
     ("regression", "kron", {}, "scalar", False),
     ("regression", "diag", {"correction": True}, "diag", True),
+    # tempered posterior and a non-zero prior mean (theta - m0 in every prior term)
+    ("regression", "full", {"temperature": 0.5, "prior_mean": 0.1}, "scalar", True),
+    (
+        "classification",
+        "kron",
+        {"kron_bias": "separate", "temperature": 2.0, "prior_mean": -0.2},
+        "layer",
+        False,
+    ),
 ]
 
 

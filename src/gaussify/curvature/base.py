@@ -312,16 +312,17 @@ def _sum_cannot_overflow(
 ) -> bool:
     """Whether out + [sum_n m_n ⊗ phi_n^2, sum_n m_n] (m_n = ``middle`` rows, in the given
     row chunks) is finite for sure: every term is finite and |entry| <= max|out| +
-    N max|m| max(phi^2, 1), which is kept below 1/4 of the dtype's largest number."""
+    N max|m| max(phi^2, 1), which is kept below 1/4 of the dtype's largest number (as is
+    max phi^2, formed in the dtype)."""
     total = 0.0
     for sl in slices:
         bound = _max_abs(middle(sl))
         if not math.isfinite(bound):
             return False
         total += (sl.stop - sl.start) * bound
-    scale = max(_max_abs(phi) ** 2, 1.0)
+    scale = max(_max_abs(phi) ** 2, 1.0)  # phi^2 itself must be representable too
     limit = 0.25 * torch.finfo(out.dtype).max
-    return math.isfinite(scale) and total * scale + _max_abs(out) < limit
+    return scale < limit and total * scale + _max_abs(out) < limit
 
 
 # --------------------------------------------------------------------------- shared base class

@@ -383,3 +383,58 @@ def test_fit_adds_at_most_one_forward_pass_and_matches_autograd(
     torch.testing.assert_close(la._log_lik, log_lik.detach())
     torch.testing.assert_close(la._grad, torch.cat([gr.reshape(-1) for gr in grads]))
     assert math.isfinite(float(la.log_marginal_likelihood()))
+
+
+# --------------------------------------------------------------------------- 8. memory
+
+
+def test_last_layer_diag_batch_that_overflows_leaves_the_curvature_unchanged() -> None:
+    """The last-layer diagonal is added in place only when rows * max|diag M| * max phi^2
+    cannot overflow; features of 1e20 in float32 (phi^2 = inf) take the checked temporary
+    instead, raise, and leave the sum of the good batches untouched, which equals a
+    curvature of those batches summed in two other batches (Gaussian likelihood: diag M = 1,
+    so the GGN diagonal is [sum_n phi_n^2, N] per output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).eval()  # float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, generator=g)
+    y = torch.randn(16, 2, generator=g)
+    curv = make_curvature("diag", model, "regression", "last_layer", chunk_size=4)
+    curv.update(model, x, y)
+    before = curv.ggn_diag.clone()
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        curv.update(model, 1e20 * x, y)
+    torch.testing.assert_close(curv.ggn_diag, before, rtol=0, atol=0)
+    assert curv.num_data == 16
+    with torch.no_grad():
+        phi = model[0](x)
+    closed = torch.cat([phi.square().sum(0).repeat(2), torch.full((2,), 16.0)])
+    torch.testing.assert_close(before, closed, rtol=1e-6, atol=0)
+    reference = make_curvature("diag", model, "regression", "last_layer", chunk_size=4)
+    reference.update(model, x[:8], y[:8])
+    reference.update(model, x[8:], y[8:])
+    torch.testing.assert_close(reference.ggn_diag, before, rtol=1e-6, atol=0)
+
+
+def test_scalar_prior_mean_is_one_number_and_round_trips() -> None:
+    """A scalar prior mean is a broadcast view of one number (no P-sized vector), it enters
+    the evidence as m0 * 1, and a saved state restores it (weights_only) as one number."""
+    import io
+
+    model, x, y = _classification()
+    la = gs.Laplace(model, "classification", "diag", prior_mean=0.3)
+    p = la.subset.num_params
+    assert la.prior_mean.shape == (p,)
+    assert la.prior_mean.untyped_storage().nbytes() == la.prior_mean.element_size()
+    torch.testing.assert_close(la.mean, la.subset.flatten(la.subset.params(model)))
+    la.fit((x, y))
+    dense = gs.Laplace(model, "classification", "diag", prior_mean=torch.full((p,), 0.3, dtype=DT))
+    dense.fit((x, y))
+    torch.testing.assert_close(la.log_marginal_likelihood(), dense.log_marginal_likelihood())
+    buffer = io.BytesIO()
+    torch.save(la.state_dict(), buffer)
+    buffer.seek(0)
+    restored = gs.Laplace(model, "classification", "diag")
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.prior_mean.untyped_storage().nbytes() == la.prior_mean.element_size()
+    torch.testing.assert_close(restored.prior_mean, dense.prior_mean)

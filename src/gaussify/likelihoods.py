@@ -31,6 +31,7 @@ __all__ = [
     "HeteroscedasticGaussian",
     "Likelihood",
     "LikelihoodName",
+    "all_finite",
     "get_likelihood",
 ]
 
@@ -66,6 +67,17 @@ class Likelihood(Protocol):
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor: ...
 
 
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, from one min/max reduction: NaN propagates
+    into both and +-inf reaches one of them, so no per-entry mask (a bool tensor and an |t|
+    copy, as ``torch.isfinite(t).all()`` makes) is formed; that matters in the curvature
+    loops, where ``t`` is P- or (batch x classes)-sized."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _check_f(f: Tensor) -> Tensor:
     """Validate network outputs: a finite floating tensor of shape (N, C)."""
     if not isinstance(f, Tensor):
@@ -74,7 +86,7 @@ def _check_f(f: Tensor) -> Tensor:
         raise ValueError(f"f: expected shape (N, C), got {tuple(f.shape)}")
     if not f.is_floating_point():
         raise ValueError(f"f: expected a floating-point tensor, got dtype {f.dtype}")
-    if not torch.isfinite(f).all():
+    if not all_finite(f):
         raise ValueError("f: network outputs contain NaN or inf")
     return f
 

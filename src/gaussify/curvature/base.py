@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
@@ -57,6 +57,7 @@ from gaussify.likelihoods import (
     Gaussian,
     HeteroscedasticGaussian,
     Likelihood,
+    all_finite,
     get_likelihood,
 )
 
@@ -261,7 +262,7 @@ def check_offset(offset: Tensor | None, num_samples: int) -> Tensor | None:
     if not isinstance(offset, Tensor) or offset.ndim != 2 or offset.shape[0] != num_samples:
         shape = tuple(offset.shape) if isinstance(offset, Tensor) else type(offset).__name__
         raise ValueError(f"offset: expected shape (N, C) with N = {num_samples}, got {shape}")
-    if not torch.isfinite(offset).all():
+    if not all_finite(offset):
         raise ValueError("offset: contains NaN or inf")
     return offset.detach()
 
@@ -296,6 +297,32 @@ def cholesky_psd(matrix: Tensor, what: str = "posterior precision") -> Tensor:
         f"even with jitter {1e-6 * base:.3g}); check that prior_precision and scale are > 0 "
         "and that the curvature is positive semi-definite"
     )
+
+
+def _max_abs(t: Tensor) -> float:
+    """max |t| from one min/max reduction (no |t| copy); NaN if t has a NaN."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t.detach())
+    return max(-float(lo), float(hi)) if not bool(torch.isnan(lo)) else math.nan
+
+
+def _sum_cannot_overflow(
+    phi: Tensor, slices: list[slice], middle: Callable[[slice], Tensor], out: Tensor
+) -> bool:
+    """Whether out + [sum_n m_n ⊗ phi_n^2, sum_n m_n] (m_n = ``middle`` rows, in the given
+    row chunks) is finite for sure: every term is finite and |entry| <= max|out| +
+    N max|m| max(phi^2, 1), which is kept below 1/4 of the dtype's largest number (as is
+    max phi^2, formed in the dtype)."""
+    total = 0.0
+    for sl in slices:
+        bound = _max_abs(middle(sl))
+        if not math.isfinite(bound):
+            return False
+        total += (sl.stop - sl.start) * bound
+    scale = max(_max_abs(phi) ** 2, 1.0)  # phi^2 itself must be representable too
+    limit = 0.25 * torch.finfo(out.dtype).max
+    return scale < limit and total * scale + _max_abs(out) < limit
 
 
 # --------------------------------------------------------------------------- shared base class
@@ -418,7 +445,7 @@ class GaussNewtonCurvature:
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"model: expected outputs of shape (N, C), got {shape}")
-        if not torch.isfinite(f).all():
+        if not all_finite(f):
             raise ValueError(
                 "x: the model's outputs are NaN or infinite for this batch (check the inputs); "
                 "the accumulated curvature is unchanged"
@@ -480,6 +507,48 @@ class GaussNewtonCurvature:
                     model, x[sl], self.subset, factor.transpose(1, 2), chunk_size=chunk
                 )
 
+    def _lastlayer_diag(
+        self, f: Tensor, phi: Tensor, y: Tensor, draws: Tensor | None, out: Tensor | None
+    ) -> Tensor:
+        """The batch's diagonal on the last-layer path, [sum_n diag(M_n) ⊗ phi_n^2,
+        sum_n diag(M_n)] (:func:`lastlayer_diag`), added to ``out`` (P,) (or to a new (P,)
+        vector when ``out`` is None), which is returned.
+
+        diag(M_n) is formed in chunks of rows (the likelihood's (B, C) temporaries, softmax,
+        its square, one-hot, ..., dominate a many-class batch), twice: a first pass only
+        bounds it. When the features and diag(M_n) are finite and the bound
+        rows * max|diag(M)| * max(phi^2, 1) + max|out| is far from the dtype's largest number,
+        no entry of the sum can overflow, so the batch is added to ``out`` directly and no
+        P-sized temporary exists (the curvature's own storage is then the only P-sized
+        tensor). Otherwise it is summed into a temporary first and added only when complete
+        and finite, so a failing batch leaves ``out`` unchanged."""
+        assert self._layer is not None
+        n, c = f.shape
+        # about 8 (B, C) temporaries for sampled labels: one-hot, softmax, residual, square
+        slices = list(chunk_slices(n, self._chunk(n, 8 * c)))
+
+        def middle(sl: slice) -> Tensor:
+            return self._factor_diag(f[sl], y[sl], None if draws is None else draws[:, sl])
+
+        if not all_finite(phi):
+            raise ValueError(
+                "x: the batch gives a NaN or infinite curvature (features of the output layer "
+                "not finite); the accumulated curvature is unchanged"
+            )
+        target = out
+        if target is None or not _sum_cannot_overflow(phi, slices, middle, target):
+            target = torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
+        for sl in slices:
+            lastlayer_diag(phi[sl], middle(sl), self._layer, out=target)
+        if target is out:
+            return out
+        if not all_finite(target):
+            raise ValueError(
+                "x: the batch gives a NaN or infinite curvature (features of the output layer "
+                "not finite); the accumulated curvature is unchanged"
+            )
+        return target if out is None else out.add_(target)
+
     def _diag_batch(
         self,
         model: nn.Module,
@@ -493,30 +562,19 @@ class GaussNewtonCurvature:
         On the last-layer path from features alone; otherwise per-layer for plain linear
         layers and per-sample ``torch.func`` products for everything else
         (:func:`gaussify.curvature.jacobian.squared_vjp_sum`). With ``out`` (P,) the batch's
-        diagonal is added to it and ``out`` is returned. The batch is summed into a P-sized
-        temporary first and added only once it is complete and finite, so a batch that fails
-        (NaN outputs or Jacobians) leaves ``out`` unchanged.
+        diagonal is added to it and ``out`` is returned. A batch that fails (NaN outputs or
+        Jacobians) leaves ``out`` unchanged: off the last-layer path the batch is summed into
+        a P-sized temporary first and added only once it is complete and finite; on it, it is
+        added directly when it provably cannot overflow (:meth:`_lastlayer_diag`).
         """
-        batch = torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
         phi: Tensor | None = None
         if self._layer is not None:
             f, phi = self._forward(model, x, offset)
             if phi is not None:
                 draws = self._draw(f)
-                # diag(M_n) in chunks: the likelihood's (B, C) temporaries (softmax, its
-                # square, ...) are what dominate a many-class batch, not the features.
-                # (about 8 of them for sampled labels: one-hot, softmax, residual, square)
-                for sl in chunk_slices(f.shape[0], self._chunk(f.shape[0], 8 * f.shape[1])):
-                    middle = self._factor_diag(
-                        f[sl], y[sl], None if draws is None else draws[:, sl]
-                    )
-                    lastlayer_diag(phi[sl], middle, self._layer, out=batch)
-                if not torch.isfinite(batch).all():
-                    raise ValueError(
-                        "x: the batch gives a NaN or infinite curvature (features of the output "
-                        "layer not finite); the accumulated curvature is unchanged"
-                    )
-                return (batch if out is None else out.add_(batch)), f, phi, draws
+                target = self._lastlayer_diag(f, phi, y, draws, out)
+                return target, f, phi, draws
+        batch = torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
         held: dict[str, Tensor | None] = {}
 
         def cotangents(f: Tensor) -> Tensor:

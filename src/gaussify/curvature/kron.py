@@ -98,20 +98,28 @@ _SUPPORTED = (nn.Linear, nn.Conv2d)
 
 
 def kron_block_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition ``(eigenvalues, eigenvectors)`` of a symmetric PSD Kronecker factor.
+    """Eigendecomposition ``(eigenvalues, eigenvectors)`` of a symmetric PSD Kronecker factor,
+    computed in float64 whatever the factor's dtype and returned in that dtype.
 
     The factor is symmetrised first. Gram matrices are PSD, and ``eigh`` is backward stable:
     every computed eigenvalue is within about ``k * eps * lambda_max`` of an exact one
-    (``k`` the size, ``eps`` the dtype's machine epsilon). Eigenvalues below that bound
-    (negative ones included) cannot be told apart from 0 and are set to 0, so an exact null
-    direction (the all-ones vector of a softmax's summed Hessian, a feature that is always 0)
-    stays one instead of becoming a round-off eigenvalue that the scale then multiplies.
+    (``k`` the size, ``eps`` the machine epsilon of the dtype it runs in). In float32 that
+    error reaches the small eigenvalues that, next to a small prior, set the GLM predictive
+    variance (a float32 model with features of mean 100 and prior 1e-4 was off by 1e-3
+    relative from its float64 twin; 1e-6 with the decomposition in float64), so it runs in
+    float64. Eigenvalues below the float64 bound (negative ones included) cannot be told
+    apart from 0 and are set to 0, so an exact null direction (the all-ones vector of a
+    softmax's summed Hessian, a feature that is always 0) stays one instead of becoming a
+    round-off eigenvalue that the scale then multiplies. (Zeroing at the float32 bound
+    instead would also remove real eigenvalues, such as those of the example above.)
     """
-    eigvals, eigvecs = torch.linalg.eigh(0.5 * (factor + factor.mT))
+    mat = factor.to(torch.float64)
+    eigvals, eigvecs = torch.linalg.eigh(0.5 * (mat + mat.mT))
     if eigvals.numel() == 0:
-        return eigvals, eigvecs
-    tol = factor.shape[-1] * torch.finfo(eigvals.dtype).eps * eigvals.abs().max()
-    return torch.where(eigvals > tol, eigvals, torch.zeros_like(eigvals)), eigvecs
+        return eigvals.to(factor.dtype), eigvecs.to(factor.dtype)
+    tol = factor.shape[-1] * torch.finfo(mat.dtype).eps * eigvals.abs().max()
+    eigvals = torch.where(eigvals > tol, eigvals, torch.zeros_like(eigvals))
+    return eigvals.to(factor.dtype), eigvecs.to(factor.dtype)
 
 
 def _layer_inputs(module: nn.Module, inp: Tensor, name: str = "") -> Tensor:
@@ -778,7 +786,7 @@ class KronGGN:
                 mat = self._a[path][:-1, :-1]
             else:  # "A_bias"
                 mat = self._a[path][-1:, -1:]
-            vals, vecs = kron_block_eigh(mat)  # in the factor's dtype (float64 for a final B)
+            vals, vecs = kron_block_eigh(mat)  # decomposed in float64, returned in mat.dtype
             self._eig_cache[key] = (vals.to(self._dtype), vecs.to(self._dtype))
         return self._eig_cache[key]
 

@@ -49,7 +49,7 @@ from gaussify.evidence import (
     laplace_log_evidence,
     optimize_hyperparameters,
 )
-from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, all_finite, get_likelihood
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -138,7 +138,7 @@ class Laplace:
         self.prior_precision = prior_precision
         # set directly: a likelihood object passed in keeps its own noise
         self._sigma_noise = self._validate_sigma(sigma_noise)
-        self.mean = self.subset.flatten(self.subset.params(model)).clone()
+        self._mean: Tensor | None = None  # until fit: the model's current weights (lazily)
         self.prior_mean = prior_mean
         self._output_layer = find_output_linear(model, self.subset)
 
@@ -156,23 +156,36 @@ class Laplace:
         self._posterior = None
 
     @property
+    def mean(self) -> Tensor:
+        """Posterior mean mu, (P,) in the subset's flattening order: theta* after ``fit``, the
+        GLM mode after ``refine``; before any fit, the model's current weights."""
+        if self._mean is None:
+            return self.subset.flatten(self.subset.params(self.model))
+        return self._mean
+
+    @mean.setter
+    def mean(self, value: Tensor) -> None:
+        self._mean = value
+
+    @property
     def prior_mean(self) -> Tensor:
-        """Prior mean m0, (P,) in the subset's flattening order."""
+        """Prior mean m0, (P,) in the subset's flattening order (a scalar m0 is a read-only
+        broadcast view of one number, so it costs no P-sized vector)."""
         return self._prior_mean
 
     @prior_mean.setter
     def prior_mean(self, value: float | Tensor) -> None:
-        m0 = torch.as_tensor(value, dtype=self._dtype).detach().clone()
+        m0 = torch.as_tensor(value, dtype=self._dtype).detach()
         p = self.subset.num_params
-        if m0.ndim == 0:
-            m0 = m0.expand(p).clone()
-        if m0.shape != (p,):
+        if m0.ndim == 1 and m0.numel() > 1 and m0.stride(0) == 0:
+            m0 = m0[0]  # a broadcast scalar (e.g. a saved scalar prior mean) stays one number
+        if m0.shape not in ((), (p,)):
             raise ValueError(
                 f"prior_mean: expected a scalar or a ({p},) vector, got shape {tuple(m0.shape)}"
             )
-        if not torch.isfinite(m0).all():
+        if not all_finite(m0):
             raise ValueError("prior_mean: contains NaN or inf")
-        self._prior_mean = m0
+        self._prior_mean = m0.clone().expand(p)  # (P,); a scalar has one number behind it
         self._posterior = None
 
     @property
@@ -239,7 +252,7 @@ class Laplace:
         additive structure ("full", "diag", "kron"; low-rank stores eigenpairs).
         """
         self.model.eval()
-        theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        theta_star = self.subset.flatten(self.subset.params(self.model))  # a new tensor
         previous = None if reset or self._curvature is None else self._statistics()
         if previous is not None and self.structure == "lowrank":
             raise ValueError(
@@ -285,8 +298,9 @@ class Laplace:
             generator=self.generator,
             **self.curvature_options,
         )
-        log_lik = torch.zeros((), dtype=self.mean.dtype)
-        grad = torch.zeros_like(self.mean)
+        log_lik = torch.zeros((), dtype=self._dtype)
+        # the mean is not read here: before the first fit it is built on demand (P numbers)
+        grad = torch.zeros(self.subset.num_params, dtype=self._dtype)
         sse: Tensor | None = None
         num_data = 0
         iterator = batches
@@ -302,9 +316,8 @@ class Laplace:
                 curvature.update(self.model, x, y)
                 f, phi = self._outputs_after_update(curvature, x)
                 if f is None or phi is None:
-                    f, batch_grad = self._outputs_and_gradient(x, y)
+                    f = self._outputs_and_gradient(x, y, grad)
                     log_lik += self.likelihood.log_prob(f, y).sum()
-                    grad += batch_grad
                 else:
                     log_lik += self._feature_statistics(f, phi, y, grad)
             else:
@@ -324,6 +337,8 @@ class Laplace:
         log_lik, grad, sse, num_data = distributed.all_reduce_sum(log_lik, grad, sse, num_data)
         if num_data == 0:
             raise ValueError("data: contains no examples")
+        if hasattr(curvature, "last_outputs"):
+            curvature.last_outputs = None  # the last batch's outputs and features: not state
         self._curvature = curvature
         self._sigma_fit = self.sigma_noise.clone()  # the noise the curvature was built with
         self.num_data = num_data
@@ -361,9 +376,12 @@ class Laplace:
         f, phi = self._features(x)
         return (f, phi) if phi is not None else (None, None)
 
-    def _outputs_and_gradient(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """(f (N, C), J^T r (P,)): one forward pass with a ``torch.func.vjp`` pullback, whose
-        outputs give the residual r = d log p(y | f) / df that is pulled back (thesis eq. 2.23)."""
+    def _outputs_and_gradient(self, x: Tensor, y: Tensor, grad: Tensor) -> Tensor:
+        """f (N, C), adding J^T r to ``grad`` (P,) in place: one forward pass with a
+        ``torch.func.vjp`` pullback, whose outputs give the residual r = d log p(y | f) / df
+        that is pulled back (thesis eq. 2.23). Each parameter tensor's gradient goes into its
+        slice of ``grad`` (no flattened P-sized copy); all are checked finite before any is
+        added."""
         named = dict(self.model.named_parameters())
         params = {n: named[n].detach() for n in self.subset.names}
         frozen = {n: p.detach() for n, p in named.items() if n not in params}
@@ -378,12 +396,19 @@ class Laplace:
         f = f.detach()
         (grads,) = pullback(self.likelihood.residual(f, y).to(f.dtype))
         for name in self.subset.names:
-            if not torch.isfinite(grads[name]).all():
+            if not all_finite(grads[name]):
                 raise ValueError(
                     f"non-finite gradient of the log-likelihood in parameter {name!r}: the "
                     "outputs or the network's Jacobian are NaN/inf for this batch (check x)"
                 )
-        return f, self.subset.flatten(grads)
+        if self.subset.indices is not None:  # a subnetwork: its entries of the tensors
+            grad += self.subset.flatten(grads)
+            return f
+        start = 0
+        for name, numel in zip(self.subset.names, self.subset.numels, strict=True):
+            grad[start : start + numel] += grads.pop(name).reshape(-1).to(grad.dtype)
+            start += numel
+        return f
 
     def _features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """f(x; theta*) (N, C) and, on the last-layer feature path, the inputs phi (N, D) of

@@ -10,6 +10,8 @@ gaussify.experiments.<name>`` runs cleanly.
 * ``vbll_uci``, ``vbll_classification``: Harrison et al. (VBLL), Table 2 and image sets.
 * ``approx_training``, ``approx_streaming``, ``approx_active``: Bui, Tables 1/2/4, Fig. 4 and
   Fig. 5 (Gaussian likelihood approximations: training losses, streaming, active learning).
+* ``ngvi_predictive``: Immer thesis Sec. 5.2, NN-sampling vs GLM predictive of Laplace-GGN,
+  VOGGN, LGVA and OGGN on a 1-D regression toy and banana.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ EXPERIMENTS: tuple[str, ...] = (
     "function_space_toy",
     "function_space_regression",
     "function_space_images",
+    "ngvi_predictive",
 )
 
 __all__ = ["EXPERIMENTS", "get"]

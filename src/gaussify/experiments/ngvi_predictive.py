@@ -1,0 +1,436 @@
+"""Immer thesis Sec. 5.2: NN-sampling vs GLM predictive of Laplace-GGN, VOGGN, LGVA and OGGN.
+
+The thesis compares, on a 1-D regression toy and on the banana classification toy, the four
+Gaussian posteriors of Ch. 3-4 -- Laplace-GGN at the MAP and the three natural-gradient VI
+variants (:mod:`gaussify.weight_space.ngvi`) -- each predicted in two ways: by sampling
+networks theta ~ q ("NN sampling") and by the GLM predictive, the network linearised at its
+linearisation point theta_lin with f_* ~ N(f(x_*; theta_lin) + J_*(mu - theta_lin),
+J_* Sigma J_*^T) (Sec. 4.6). Protocol here (one run, seed ``seed``):
+
+* data: the bundled ``valla_toy`` (y = sin(4x) + N(0, 0.1^2); training inputs in
+  (-1, -0.5) U (0.5, 1); validation = the gap, test = the extrapolation region |x| > 1) and
+  ``banana`` (binary; its training and test splits);
+* network: a 2 x 20 tanh MLP in float64 (``depth`` hidden layers of ``width`` units; depth 0
+  is the linear model f = W x + b, for which every method's Gaussian is exact Bayesian linear
+  regression: Thm 4.1);
+* Laplace-GGN: the MAP by ``map_epochs`` full-batch Adam steps (prior precision 1, noise 0.1
+  for regression), a full-GGN Laplace posterior, then the prior precision (and for regression
+  the noise) by the Laplace marginal likelihood (``optimize_prior``); these hyperparameters
+  are shared by all methods;
+* VOGGN, LGVA, OGGN: from the same random initialisation, Sigma_0 = 0.1 I
+  (``init_precision=10``, as in the thesis), full structure, full-batch steps, S samples per
+  step (``num_samples``), ``steps`` steps with gamma taking the values of ``gammas`` for equal
+  shares of the steps (default 0.1 -> 0.03 -> 0.01: with few samples a constant gamma leaves
+  the mean of the sampling variants diffusing along directions only the prior constrains).
+
+Reported per toy, method and predictive: the test NLL, and the NLL in the gap (regression) or
+the test accuracy (banana). :func:`plot` draws one figure per toy: predictive mean, +-2 std
+and three joint function samples (regression), or p(y = 1) (banana), NN sampling in the top
+row and GLM in the bottom row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import gaussify as gs
+from gaussify.curvature.jacobian import jacobians
+from gaussify.experiments._report import add_output_arguments, report
+from gaussify.predictive import Predictive
+from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN
+
+__all__ = [
+    "METHODS",
+    "PREDICTIVES",
+    "TOYS",
+    "Config",
+    "PredictiveResults",
+    "fit_posteriors",
+    "main",
+    "make_model",
+    "plot",
+    "run",
+]
+
+TOYS: tuple[str, ...] = ("regression", "banana")
+METHODS: tuple[str, ...] = ("Laplace-GGN", "VOGGN", "LGVA", "OGGN")
+PREDICTIVES: tuple[str, ...] = ("nn", "glm")
+PREDICTIVE_LABELS: dict[str, str] = {"nn": "NN sampling", "glm": "GLM"}
+TOY_LABELS: dict[str, str] = {
+    "regression": "regression (gap / extrapolation)",
+    "banana": "banana",
+}
+#: likelihood of each toy and the noise the MAP is trained with
+_LIKELIHOODS: dict[str, tuple[str, float]] = {
+    "regression": ("regression", 0.1),
+    "banana": ("binary", 1.0),
+}
+
+
+@dataclass
+class Config:
+    """Everything that determines the numbers (stored with the results)."""
+
+    toys: list[str] = field(default_factory=lambda: list(TOYS))
+    width: int = 20
+    depth: int = 2
+    map_epochs: int = 2000
+    map_lr: float = 1e-2
+    steps: int = 600
+    gammas: list[float] = field(default_factory=lambda: [0.1, 0.03, 0.01])
+    num_samples: int = 4
+    antithetic: bool = False
+    init_precision: float = 10.0
+    predictive_samples: int = 500
+    seed: int = 0
+    regression_grid: int = 300
+    banana_grid: int = 60
+
+
+def make_model(inputs: int, width: int = 20, depth: int = 2, seed: int = 0) -> nn.Module:
+    """``inputs``-``width``-...-1 tanh MLP with ``depth`` hidden layers (depth 0: one linear
+    layer), float64, initialised from ``torch.manual_seed(seed)``."""
+    if depth < 0 or width < 1:
+        raise ValueError(f"depth, width: expected depth >= 0 and width >= 1, got {depth}, {width}")
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    d_in = inputs
+    for _ in range(depth):
+        layers += [nn.Linear(d_in, width), nn.Tanh()]
+        d_in = width
+    layers.append(nn.Linear(d_in, 1))
+    return nn.Sequential(*layers).double()
+
+
+def _schedule(steps: int, gammas: Sequence[float]) -> list[tuple[float, int]]:
+    """(gamma, number of steps) pairs: equal shares of ``steps``, the remainder to the last."""
+    share = steps // len(gammas)
+    counts = [share] * len(gammas)
+    counts[-1] += steps - share * len(gammas)
+    return [(float(g), c) for g, c in zip(gammas, counts, strict=True) if c > 0]
+
+
+def fit_posteriors(
+    x: Tensor, y: Tensor, likelihood: str, cfg: Config
+) -> tuple[dict[str, Any], dict[str, float | None]]:
+    """The four posteriors of Sec. 5.2 on ``(x, y)`` and the hyperparameters they share.
+
+    Laplace-GGN: MAP (full-batch Adam, prior precision 1), full GGN, then prior precision and
+    (regression) noise by the marginal likelihood. VOGGN / LGVA / OGGN: full structure from
+    the same initialisation as the MAP with Lambda_0 = ``init_precision`` I, ``steps``
+    full-batch steps under the gamma schedule."""
+    regression = likelihood == "regression"
+    sigma = _LIKELIHOODS["regression"][1] if regression else 1.0
+    model = make_model(x.shape[1], cfg.width, cfg.depth, cfg.seed)
+    gs.train_map(
+        model, (x, y), likelihood, prior_precision=1.0, epochs=cfg.map_epochs, lr=cfg.map_lr,
+        sigma_noise=sigma, batch_size=len(y), seed=cfg.seed,
+    )  # fmt: skip
+    la = gs.Laplace(model, likelihood, "full", prior_precision=1.0, sigma_noise=sigma)
+    la.fit((x, y)).optimize_prior()
+    delta, sigma = float(la.prior_precision), float(la.sigma_noise)
+    posts: dict[str, Any] = {"Laplace-GGN": la}
+    for cls in (VOGGN, LGVA, OGGN):
+        vi = cls(
+            make_model(x.shape[1], cfg.width, cfg.depth, cfg.seed), likelihood, "full", delta,
+            lr=cfg.gammas[0], num_samples=cfg.num_samples, sigma_noise=sigma,
+            init_precision=cfg.init_precision, antithetic=cfg.antithetic, seed=cfg.seed,
+        )  # fmt: skip
+        for gamma, count in _schedule(cfg.steps, cfg.gammas):
+            vi.lr = gamma
+            vi.fit((x, y), epochs=count, batch_size=len(y), monitor=False)
+        posts[cls.__name__] = vi
+    return posts, {"prior_precision": delta, "sigma_noise": sigma if regression else None}
+
+
+def _predict(post: Any, x: Tensor, method: str, cfg: Config) -> Predictive:
+    """NN sampling (``cfg.predictive_samples`` networks, fixed generator) or the GLM
+    predictive (probit link for banana; Gaussian for regression)."""
+    if method == "nn":
+        g = torch.Generator().manual_seed(cfg.seed)
+        return post.predict(x, method="nn", num_samples=cfg.predictive_samples, generator=g)
+    return post.predict(x, method="glm", link="probit")
+
+
+def function_samples(post: Any, x: Tensor, method: str, pred: Predictive, num: int = 3) -> Tensor:
+    """``num`` joint function samples (num, N): the NN predictive's first networks, or the
+    linearised network f(x; theta_lin) + J (theta - theta_lin) at weights theta ~ q (the GLM
+    predictive holds only per-input marginals)."""
+    if method == "nn":
+        assert pred.f_samples is not None
+        return pred.f_samples[:num, :, 0]
+    thetas = post.sample(num, generator=torch.Generator().manual_seed(1))
+    point = getattr(post, "theta_star", None)
+    if point is None:  # NGVI: theta* for GLM-VI, else the mean
+        point = post.theta_lin if post.theta_lin is not None else post.mean
+    with torch.no_grad():
+        f = post.model(x)[:, 0]
+    return f + (jacobians(post.model, x, post.subset)[:, 0] @ (thetas - point).T).T
+
+
+def _load(toy: str) -> tuple[Any, Tensor, Tensor]:
+    """The data set, its training targets in the likelihood's shape and its test targets."""
+    ds = gs.data.load("valla_toy" if toy == "regression" else "banana", seed=0, dtype=torch.float64)
+    if toy == "regression":
+        return ds, ds.y_train, ds.y_test
+    return ds, ds.y_train.to(torch.float64).unsqueeze(-1), ds.y_test.to(torch.float64)
+
+
+def _grid(toy: str, cfg: Config) -> Tensor:
+    if toy == "regression":
+        return torch.linspace(-3.5, 3.5, cfg.regression_grid, dtype=torch.float64).unsqueeze(-1)
+    lin = torch.linspace(-3.0, 3.0, cfg.banana_grid, dtype=torch.float64)
+    g1, g2 = torch.meshgrid(lin, lin, indexing="xy")
+    return torch.stack([g1.reshape(-1), g2.reshape(-1)], dim=-1)
+
+
+@dataclass
+class PredictiveResults:
+    """Results of :func:`run`.
+
+    ``records``: one per toy, method and predictive with ``nll_test`` and ``nll_gap``
+    (regression) or ``accuracy`` (banana); ``hyper``: per toy the marginal-likelihood prior
+    precision and noise shared by all methods; ``elbo``: per toy and NGVI method, the final
+    training log-likelihood per example the steps saw. Not serialised: ``posteriors`` (toy ->
+    method -> fitted object), ``grids`` (toy -> inputs) and ``on_grid`` (toy -> method ->
+    predictive -> :class:`~gaussify.predictive.Predictive` on the grid), for :func:`plot`."""
+
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    hyper: dict[str, dict[str, float | None]]
+    notes: list[str]
+    runtime_s: float
+    posteriors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    grids: dict[str, Tensor] = field(default_factory=dict)
+    on_grid: dict[str, dict[str, dict[str, Predictive]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable view (without the posteriors and grid predictives)."""
+        return {
+            "experiment": "ngvi_predictive",
+            "paper": "Immer thesis (001) Sec. 5.2: NN-sampling vs GLM predictive",
+            "config": self.config,
+            "runtime_s": self.runtime_s,
+            "hyper": self.hyper,
+            "notes": self.notes,
+            "records": self.records,
+        }
+
+    def table(self) -> str:
+        """Markdown: test NLL and gap NLL (regression) or accuracy (banana) per toy, method
+        and predictive."""
+        lines = [
+            "| data | method | predictive | test NLL | gap NLL / accuracy |",
+            "|---|---|---|---|---|",
+        ]
+        for r in self.records:
+            extra = r["nll_gap"] if r["toy"] == "regression" else r["accuracy"]
+            lines.append(
+                f"| {TOY_LABELS[r['toy']]} | {r['method']} | "
+                f"{PREDICTIVE_LABELS[r['predictive']]} | {r['nll_test']:.3f} | {extra:.3f} |"
+            )
+        return "\n".join(lines)
+
+
+def _evaluate(
+    toy: str, post: Any, ds: Any, y_test: Tensor, method: str, cfg: Config
+) -> dict[str, Any]:
+    """One record: test NLL and gap NLL (regression) or accuracy (banana)."""
+    pred = _predict(post, ds.x_test, method, cfg)
+    rec: dict[str, Any] = {"nll_test": float(-pred.log_prob(y_test).mean())}
+    if toy == "regression":
+        gap = _predict(post, ds.x_val, method, cfg)
+        rec["nll_gap"] = float(-gap.log_prob(ds.y_val).mean())
+    else:
+        assert pred.probs is not None
+        rec["accuracy"] = float(((pred.probs[:, 0] > 0.5).double() == y_test).double().mean())
+    return rec
+
+
+def run(
+    toys: Sequence[str] = TOYS,
+    *,
+    width: int = 20,
+    depth: int = 2,
+    map_epochs: int = 2000,
+    steps: int = 600,
+    gammas: Sequence[float] = (0.1, 0.03, 0.01),
+    num_samples: int = 4,
+    antithetic: bool = False,
+    init_precision: float = 10.0,
+    predictive_samples: int = 500,
+    seed: int = 0,
+    grid_points: tuple[int, int] = (300, 60),
+    progress: bool = False,
+    keep_grid: bool = True,
+) -> PredictiveResults:
+    """Run the Sec. 5.2 comparison (protocol in the module docstring) on ``toys`` and return
+    the results. ``grid_points``: inputs of the regression plot and points per axis of the
+    banana plot; ``keep_grid=False`` skips the grid predictives (no :func:`plot`).
+    Deterministic given the arguments."""
+    bad = [t for t in toys if t not in TOYS]
+    if bad or not toys:
+        raise ValueError(f"toys: expected a non-empty subset of {TOYS}, got {list(toys)}")
+    if steps < 1 or not gammas or any(not 0 < g <= 1 for g in gammas):
+        raise ValueError(
+            f"steps, gammas: need steps >= 1 and gammas in (0, 1], got {steps}, {gammas}"
+        )
+    cfg = Config(
+        toys=list(toys), width=width, depth=depth, map_epochs=map_epochs, steps=steps,
+        gammas=[float(g) for g in gammas], num_samples=num_samples, antithetic=antithetic,
+        init_precision=init_precision, predictive_samples=predictive_samples, seed=seed,
+        regression_grid=grid_points[0], banana_grid=grid_points[1],
+    )  # fmt: skip
+    start = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(toys), desc="NGVI predictive", unit="toy")
+    res = PredictiveResults(config=asdict(cfg), records=[], hyper={}, notes=[], runtime_s=0.0)
+    for toy in toys:
+        ds, y_train, y_test = _load(toy)
+        posts, res.hyper[toy] = fit_posteriors(ds.x_train, y_train, _LIKELIHOODS[toy][0], cfg)
+        res.posteriors[toy] = posts
+        for name in METHODS:
+            for method in PREDICTIVES:
+                rec = _evaluate(toy, posts[name], ds, y_test, method, cfg)
+                res.records.append({"toy": toy, "method": name, "predictive": method, **rec})
+        if keep_grid:
+            grid = _grid(toy, cfg)
+            res.grids[toy] = grid
+            res.on_grid[toy] = {
+                name: {m: _predict(posts[name], grid, m, cfg) for m in PREDICTIVES}
+                for name in METHODS
+            }
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    res.notes = [
+        f"{cfg.depth} x {cfg.width} tanh MLP, one seed ({cfg.seed}); hyperparameters by the "
+        "Laplace marginal likelihood at the MAP, shared by all methods.",
+        f"NGVI: full structure, full batches, S = {cfg.num_samples}"
+        + (" (antithetic)" if cfg.antithetic else "")
+        + f", Sigma_0 = {1 / cfg.init_precision:g} I, {cfg.steps} steps, gamma "
+        + " -> ".join(f"{g:g}" for g in cfg.gammas)
+        + f"; NN sampling with {cfg.predictive_samples} networks, GLM with the probit link.",
+    ]
+    res.runtime_s = time.perf_counter() - start
+    return res
+
+
+def _plot_regression(res: PredictiveResults, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from gaussify.plots import save_figure
+
+    ds, _, _ = _load("regression")
+    grid = res.grids["regression"]
+    fig, axes = plt.subplots(2, len(METHODS), figsize=(14, 5.6), sharex=True, sharey=True)
+    for col, name in enumerate(METHODS):
+        post = res.posteriors["regression"][name]
+        for row, method in enumerate(PREDICTIVES):
+            pred = res.on_grid["regression"][name][method]
+            mean, std = pred.mean[:, 0], pred.var[:, 0].sqrt()
+            ax = axes[row, col]
+            ax.fill_between(grid[:, 0], mean - 2 * std, mean + 2 * std, alpha=0.3, color="C0")
+            ax.plot(grid[:, 0], mean, color="C0")
+            samples = function_samples(post, grid, method, pred)
+            ax.plot(grid[:, 0], samples.T, color="C1", lw=0.7, alpha=0.8)
+            ax.scatter(ds.x_train[:, 0], ds.y_train[:, 0], s=6, color="k", zorder=3)
+            ax.set_ylim(-4, 4)
+            ax.set_title(f"{name}: {PREDICTIVE_LABELS[method]}", fontsize=9)
+    hyper = res.hyper["regression"]
+    fig.suptitle(
+        f"1-D regression with a gap (prior precision {hyper['prior_precision']:.3g}, "
+        f"noise {hyper['sigma_noise']:.3g}): mean, ±2 std and 3 samples",
+        fontsize=10,
+    )
+    return save_figure(fig, path)
+
+
+def _plot_banana(res: PredictiveResults, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from gaussify.plots import save_figure
+
+    ds, _, _ = _load("banana")
+    grid = res.grids["banana"]
+    side = math.isqrt(len(grid))
+    g1, g2 = grid[:, 0].reshape(side, side), grid[:, 1].reshape(side, side)
+    fig, axes = plt.subplots(2, len(METHODS), figsize=(14, 6.6), sharex=True, sharey=True)
+    for col, name in enumerate(METHODS):
+        for row, method in enumerate(PREDICTIVES):
+            probs = res.on_grid["banana"][name][method].probs
+            assert probs is not None
+            p = probs[:, 0].reshape(side, side)
+            ax = axes[row, col]
+            ax.contourf(g1, g2, p, levels=torch.linspace(0, 1, 11).tolist(), cmap="RdBu_r")
+            ax.contour(g1, g2, p, levels=[0.5], colors="k", linewidths=0.8)
+            for label, color in ((0, "C0"), (1, "C3")):
+                pts = ds.x_train[ds.y_train == label]
+                ax.scatter(pts[:, 0], pts[:, 1], s=5, color=color, edgecolors="w", lw=0.2)
+            ax.set_title(f"{name}: {PREDICTIVE_LABELS[method]}", fontsize=9)
+    fig.suptitle(
+        f"banana (prior precision {res.hyper['banana']['prior_precision']:.3g}): "
+        "predictive p(y = 1)",
+        fontsize=10,
+    )
+    return save_figure(fig, path)
+
+
+def plot(res: PredictiveResults, folder: str | Path) -> Path:
+    """Write ``ngvi_regression.png`` and ``ngvi_banana.png`` (for the toys run) into
+    ``folder``; returns the folder. Needs ``run(..., keep_grid=True)``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    folder = Path(folder)
+    if "regression" in res.on_grid:
+        _plot_regression(res, folder / "ngvi_regression.png")
+    if "banana" in res.on_grid:
+        _plot_banana(res, folder / "ngvi_banana.png")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``gaussify experiment ngvi_predictive [options]``; prints the table, writes JSON
+    with ``--output`` and the two figures into the folder ``--figure``."""
+    parser = argparse.ArgumentParser(
+        prog="gaussify experiment ngvi_predictive",
+        description="Immer thesis Sec. 5.2: Laplace-GGN, VOGGN, LGVA and OGGN with the "
+        "NN-sampling and GLM predictives on a 1-D regression toy and banana.",
+    )
+    parser.add_argument("--toys", nargs="+", default=list(TOYS), choices=TOYS)
+    parser.add_argument("--steps", type=int, default=600, help="NGVI steps (600)")
+    parser.add_argument("--map-epochs", type=int, default=2000, help="MAP Adam steps (2000)")
+    parser.add_argument("--width", type=int, default=20, help="hidden units per layer (20)")
+    parser.add_argument("--depth", type=int, default=2, help="hidden layers (2)")
+    parser.add_argument("--num-samples", type=int, default=4, help="S per NGVI step (4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_output_arguments(parser, "folder for ngvi_regression.png and ngvi_banana.png")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    res = run(
+        args.toys, width=args.width, depth=args.depth, map_epochs=args.map_epochs,
+        steps=args.steps, num_samples=args.num_samples, seed=args.seed,
+        progress=not args.no_progress, keep_grid=args.figure is not None,
+    )  # fmt: skip
+    title = "Thesis Sec. 5.2: test NLL and gap NLL (regression) / accuracy (banana)"
+    return report(res, args, title=title, plot=plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

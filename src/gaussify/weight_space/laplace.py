@@ -670,6 +670,12 @@ class Laplace:
         "scalar", "layer" (one per parameter tensor) or "diag" (one per parameter).
         ``method="grid"``: the best scalar prior on ``grid`` (default 10^-4 .. 10^4, 41 points).
         ``data`` is fitted first when the posterior is not fitted yet.
+
+        Where the structure's eigenbasis diagonalises the prior (see :meth:`spectrum`: any
+        prior on diag, a scalar one on full, one per Kronecker block on kron) the evidence
+        and its gradient are closed forms in the curvature's eigenvalues, O(P) per step
+        (:mod:`gaussify.spectral`), with the same Adam update; elsewhere every step
+        differentiates the dense evidence with autograd.
         """
         if data is not None and self._curvature is None:
             self.fit(data)

@@ -16,10 +16,10 @@ Cases (float32, batch size 256, the library defaults otherwise):
   storage alone would be 2.6e11 entries (1 TB in float32).
 * ``mlp``: 784-120-84-10 (ReLU; 105,214 parameters) on the bundled MNIST training inputs
   (7000 x 784, flattened): diag and kron over all weights, full and kron on the last layer
-  (P = 850). The last-layer kron factors hold only 85^2 + 10^2 numbers (29 KiB), less than
-  one batch of inputs (256 x 784 floats, 784 KiB): its ratio measures batching, not the
-  curvature, and it is reported but not held to the target (``measurable``: storage of at
-  least 256 KiB, above the RSS noise of about 100 KiB).
+  (P = 850). The last-layer kron factors hold only 85^2 + 10^2 numbers (29 KiB, the output
+  factor B in float64), less than one batch of inputs (256 x 784 floats, 784 KiB) and below
+  the RSS noise of about 100 KiB: the RSS cannot resolve its ratio (``measurable``: storage of
+  at least 256 KiB), so it is judged by the exact allocator measurement below.
 
 Each case runs in a fresh subprocess. The worker builds the model and data, trains one SGD
 epoch over the same batches (the timing reference), warms up every code path on a tiny model
@@ -40,6 +40,13 @@ Each phase runs three times, interleaved, and the minimum peak is kept (the phas
 deterministic; allocator and interpreter noise, about 100 KiB, only adds). Ratios (target
 <= 2): ``curvature``: (peak of phase 2 - floor) / storage; ``laplace``: (peak of phase 3 -
 floor - Laplace's vectors) / storage; ``raw``: peak of phase 3 / storage.
+
+Exact allocator measurement: each phase runs once more under ``torch.profiler`` with
+``profile_memory=True``, whose allocation and free events give the live bytes of torch's
+CPU allocator exactly (no page granularity, no interpreter or allocator noise): the
+``*_alloc`` peaks and ``ratio_*_alloc`` ratios, same formulas. They are what decides a case
+whose storage is below the RSS resolution; the others are held to the target by the RSS
+ratios (the allocator ratios are reported beside them).
 
 Allocators: ``live`` runs the worker with glibc's mmap threshold fixed at 64 KiB
 (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=65536``), so a freed tensor leaves the RSS and the
@@ -212,6 +219,23 @@ def measured(fn: Callable[[], T]) -> tuple[T, int, float]:
     return out, (_status_kib("VmHWM") - base) * 1024, seconds
 
 
+def allocated(fn: Callable[[], T]) -> tuple[T, int]:
+    """(result, peak of torch's live CPU allocations above the start, in bytes) of ``fn()``,
+    from the allocation / free events of ``torch.profiler`` (exact, deterministic)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _release()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in deltas:
+        live += nbytes
+        peak = max(peak, live)
+    return out, peak
+
+
 def tensor_bytes(tensors: Any) -> int:
     values = tensors.values() if isinstance(tensors, dict) else tensors
     return sum(t.numel() * t.element_size() for t in values if isinstance(t, Tensor))
@@ -271,6 +295,9 @@ def worker(case: Case, threads: int) -> dict[str, Any]:
     floor, curv_peak, fit_peak = min(floors), min(curv_peaks), min(fit_peaks)
     curv_s, fit_s = min(curv_times), min(fit_times)
     vectors = tensor_bytes([la.mean, la.theta_star, la._grad])
+    floor_alloc = allocated(lambda: forward_pass(model, x, y))[1]
+    curv_alloc = allocated(lambda: fit_curvature(case, model, x, y))[1]
+    fit_alloc = allocated(lambda: fit_laplace(case, model, x, y))[1]
     num_test = x_test.shape[0]
     pred, predict_peak, predict_s = measured(lambda: la.predict(x_test, link="probit"))
     assert torch.isfinite(pred.probs).all()
@@ -292,6 +319,11 @@ def worker(case: Case, threads: int) -> dict[str, Any]:
         "ratio_curvature": (curv_peak - floor) / storage,
         "ratio_laplace": (fit_peak - floor - vectors) / storage,
         "ratio_raw": fit_peak / storage,
+        "floor_alloc_bytes": floor_alloc,
+        "curvature_alloc_bytes": curv_alloc,
+        "laplace_alloc_bytes": fit_alloc,
+        "ratio_curvature_alloc": (curv_alloc - floor_alloc) / storage,
+        "ratio_laplace_alloc": (fit_alloc - floor_alloc - vectors) / storage,
         "curvature_fit_s": curv_s,
         "fit_s": fit_s,
         "epoch_s": epoch_s,
@@ -327,11 +359,18 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:8.2f}"
 
 
+def judged(row: dict[str, Any], which: str) -> float:
+    """The ratio a case is held to: the RSS one (``ratio_<which>``) where the RSS resolves
+    the storage, else the exact allocator one (``ratio_<which>_alloc``)."""
+    return row[f"ratio_{which}" if row["measurable"] else f"ratio_{which}_alloc"]
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'case':36s} {'P':>7s} {'storage':>8s} {'floor':>8s} {'epoch pk':>8s} {'curv pk':>8s} "
         f"{'fit pk':>8s} "
-        f"{'r_curv':>6s} {'r_lap':>6s} {'r_raw':>6s} {'fit s':>7s} {'fit/ep':>7s} {'pred s':>7s}"
+        f"{'r_curv':>6s} {'r_lap':>6s} {'r_raw':>6s} {'a_curv':>6s} {'a_lap':>6s} "
+        f"{'fit s':>7s} {'fit/ep':>7s} {'pred s':>7s}"
     )
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -344,13 +383,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{_mib(r['floor_bytes'])} {_mib(r['gradient_epoch_peak_bytes'])} "
             f"{_mib(r['curvature_peak_bytes'])} "
             f"{_mib(r['laplace_peak_bytes'])} {r['ratio_curvature']:6.2f} "
-            f"{r['ratio_laplace']:6.2f} {r['ratio_raw']:6.2f} {r['fit_s']:7.2f} "
+            f"{r['ratio_laplace']:6.2f} {r['ratio_raw']:6.2f} "
+            f"{r['ratio_curvature_alloc']:6.2f} {r['ratio_laplace_alloc']:6.2f} {r['fit_s']:7.2f} "
             f"{r['fit_over_epoch']:7.1f} {r['predict_s']:7.2f}"
         )
     print(
         "(memory in MiB; r_curv = (curv pk - floor) / storage, r_lap = (fit pk - floor - 3P "
-        "vectors) / storage, r_raw = fit pk / storage; target <= 2; * = storage below "
-        "the RSS resolution, not held to the target)"
+        "vectors) / storage, r_raw = fit pk / storage; a_curv, a_lap: the same from torch's "
+        "exact allocator peaks; target <= 2; * = storage below the RSS resolution, held to "
+        "the target by a_curv and a_lap)"
     )
 
 
@@ -362,17 +403,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     rows = [r for r in rows if "error" not in r]
     names = [
-        r["case"].replace("/last_layer", "/last").replace(",mc_samples=1", ",mc1") for r in rows
+        r["case"].replace("/last_layer", "/last").replace(",mc_samples=1", ",mc1")
+        + ("" if r["measurable"] else " (alloc)")
+        for r in rows
     ]
     idx = torch.arange(len(rows)).numpy()
     width = 0.27
     fig, ax = plt.subplots(figsize=(13, 4.8))
     storage = [r["storage_bytes"] / 2**20 for r in rows]
-    curv = [max(r["curvature_peak_bytes"] - r["floor_bytes"], 0) / 2**20 for r in rows]
-    lap = [
-        max(r["laplace_peak_bytes"] - r["floor_bytes"] - r["laplace_vectors_bytes"], 0) / 2**20
-        for r in rows
-    ]
+    # the judged ratios (RSS, or the exact allocator where the RSS cannot resolve the storage)
+    curv = [max(judged(r, "curvature"), 0) * s for r, s in zip(rows, storage, strict=True)]
+    lap = [max(judged(r, "laplace"), 0) * s for r, s in zip(rows, storage, strict=True)]
     ax.bar(idx - width, storage, width, label="curvature storage", color="0.6")
     ax.bar(idx, curv, width, label="curvature fit: peak - forward floor", color="tab:blue")
     ax.bar(
@@ -420,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nallocator: {allocator}")
         print_table(rows)
     main_rows = results.get("live") or next(iter(results.values()))
-    ok = [r for r in main_rows if "error" not in r and r["measurable"]]
+    ok = [r for r in main_rows if "error" not in r]
     report = {
         "description": "peak extra memory of curvature and Laplace fits over the curvature's "
         "own storage (see benchmarks/memory.py for the protocol)",
@@ -436,9 +477,9 @@ def main(argv: list[str] | None = None) -> None:
         },
         "skipped": SKIPPED,
         "results": results,
-        "all_within_target (measurable cases)": {
-            "curvature": all(r["ratio_curvature"] <= TARGET for r in ok),
-            "laplace": all(r["ratio_laplace"] <= TARGET for r in ok),
+        "all_within_target (RSS ratios; allocator ratios below the RSS resolution)": {
+            "curvature": all(judged(r, "curvature") <= TARGET for r in ok),
+            "laplace": all(judged(r, "laplace") <= TARGET for r in ok),
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

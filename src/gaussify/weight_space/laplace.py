@@ -332,6 +332,7 @@ class Laplace:
                 sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
                 sse = sq if sse is None else sse + sq
             num_data += x.shape[0]
+            del f, phi  # not kept alive while the next batch is drawn and processed
         # torch.distributed: every statistic above is a sum over data (no-op without a group)
         distributed.reduce_curvature(curvature)
         log_lik, grad, sse, num_data = distributed.all_reduce_sum(log_lik, grad, sse, num_data)
@@ -372,6 +373,7 @@ class Laplace:
             return None, None
         kept = getattr(curvature, "last_outputs", None)
         if kept is not None and kept[1] is not None and kept[0].shape[0] == x.shape[0]:
+            curvature.last_outputs = None  # handed over: freed with the caller's references
             return kept
         f, phi = self._features(x)
         return (f, phi) if phi is not None else (None, None)

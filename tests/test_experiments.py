@@ -176,6 +176,27 @@ def test_uci_glm_vi_merge_and_map_cache(tmp_path: pytest.TempPathFactory) -> Non
     assert rows["bnn_laplace"]["missing"]
 
 
+def test_uci_cli_merge_prints_the_merged_table(tmp_path, capsys) -> None:
+    """``--merge``: the written file is ``merge(base, run)`` and the printed merged table has
+    the base's columns beside the new ones (the run's own table has only MAP and GLM VI)."""
+    opts = {"datasets": ["glass"], "splits": [0], "grid_size": 2, "epochs": 40}
+    base = uci_classification.run(methods=["map", "glm_laplace"], num_samples=20, **opts)
+    base_path, out = tmp_path / "base.json", tmp_path / "out.json"
+    base_path.write_text(json.dumps(base.to_dict()))
+    args = ["--datasets", "glass", "--split-seeds", "0", "--grid-size", "2", "--epochs", "40"]
+    args += ["--num-samples", "20", "--methods", "glm_vi_diag", "--vi-steps", "2"]
+    args += ["--no-progress", "--merge", str(base_path), "--output", str(out)]
+    assert uci_classification.main(args) == 0
+    printed = capsys.readouterr().out.split("Merged into")[1]
+    assert "| dataset | NN MAP | GLM Laplace | GLM VI diag |" in printed
+    merged = json.loads(out.read_text())
+    assert uci_classification.UCIResults.from_dict(merged).table() in printed
+    assert merged["config"]["merged"]["map_test_nll_diff"] == 0.0
+    assert {r["method"] for r in merged["rows"] if not r["missing"]} == {
+        "map", "glm_laplace", "glm_vi_diag"
+    }  # fmt: skip
+
+
 def test_uci_rejects_unknown_dataset() -> None:
     with pytest.raises(ValueError, match="datasets"):
         uci_classification.run(datasets=["no_such_data"])

@@ -258,6 +258,19 @@ class UCIResults:
             "records": self.records,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UCIResults:
+        """The inverse of :meth:`to_dict` (e.g. for a file that :func:`merge` wrote), without
+        predictions."""
+        return cls(
+            config=data["config"],
+            rows=data["rows"],
+            selections=data["selections"],
+            records=data["records"],
+            notes=list(data.get("notes", [])),
+            runtime_s=float(data["runtime_s"]),
+        )
+
     def table(self, metric: str = "nll") -> str:
         """Markdown table of ``metric`` ("nll", "acc" or "ece"): ours ± s.e. per method, and,
         for NLL, the paper's value in parentheses."""
@@ -796,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
         out = res.to_dict()
         if args.merge is not None:
             out = merge(json.loads(args.merge.read_text()), res)
+            print(f"Merged into {args.merge}: test NLL, ours (paper Table 1), all methods")
+            print(UCIResults.from_dict(out).table("nll"))
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.output}")

@@ -18,27 +18,47 @@
    ELLA with all N training points as landmarks is fitted too; with N C >= P it reproduces (a)
    (printed: max gap). :func:`compute` returns all four bands for the tests.
 
+3. Rewrites the result tables between ``<!-- fs-regression-table:start/end -->`` and
+   ``<!-- fs-images-table:start/end -->`` from
+   ``benchmarks/results/experiments_function_space_{regression,images}.json`` (a missing file
+   is skipped with a message).
+
 The page's other figures come from elsewhere: ``function_space_toy.png`` from
 ``gaussify experiment function_space_toy --figure ...`` and ``function_space_explain.png`` from
 ``scripts/make_explain_figure.py``.
 
 Usage: ``python scripts/make_function_space_docs.py [--no-example] [--no-figure]
-[--threads 1] [--out PATH]``; about half a minute on one CPU core.
+[--no-tables] [--threads 1] [--out PATH]``; about half a minute on one CPU core.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "function_space.md"
 FIGURE = ROOT / "docs" / "figures" / "function_space_banana.png"
+RESULTS = ROOT / "benchmarks" / "results"
+REGRESSION_JSON = RESULTS / "experiments_function_space_regression.json"
+IMAGES_JSON = RESULTS / "experiments_function_space_images.json"
+LABELS = {
+    "map": "MAP",
+    "last_layer": "LL Laplace",
+    "diag": "Diag Laplace",
+    "kfac": "KFAC Laplace",
+    "functional_laplace": "FunctionalLaplace (subset)",
+    "ella": "ELLA",
+    "sampled_lla": "Sampled-LLA",
+    "valla": "VaLLA",
+}
 sys.path.insert(0, str(ROOT / "src"))
 
 import matplotlib  # noqa: E402
@@ -203,10 +223,106 @@ def summary(bands: Bands) -> str:
     )
 
 
+def _rows(res: dict[str, Any]) -> tuple[list[str], list[str], dict[tuple[str, str], dict]]:
+    """Data sets and methods in run order, and the record of each (data set, method)."""
+    recs = res["records"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in recs))
+    methods = list(dict.fromkeys(r["method"] for r in recs))
+    return datasets, methods, {(r["dataset"], r["method"]): r for r in recs}
+
+
+def _best(values: list[float], lower: bool = True) -> list[str]:
+    """Cells with 3 decimals, the best one in bold."""
+    best = min(values) if lower else max(values)
+    return [f"**{v:.3f}**" if v == best else f"{v:.3f}" for v in values]
+
+
+def regression_table(res: dict[str, Any]) -> str:
+    """Markdown: NLL / CRPS / CQM per method (rows) and data set, best per column in bold."""
+    datasets, methods, rec = _rows(res)
+    keys = ("nll", "crps", "cqm")
+    cols = {(d, k): _best([rec[d, m][k] for m in methods]) for d in datasets for k in keys}
+    head = " | ".join(f"{d} {k.upper()}" for d in datasets for k in keys)
+    lines = [f"| method | {head} | fit s |", "|---" * (len(datasets) * len(keys) + 2) + "|"]
+    for i, m in enumerate(methods):
+        cells = " | ".join(cols[d, k][i] for d in datasets for k in keys)
+        fit = " / ".join(f"{rec[d, m]['fit_s']:.1f}" for d in datasets)
+        lines.append(f"| {LABELS[m]} | {cells} | {fit} |")
+    cfg = res["config"]
+    lines += [
+        "",
+        f"{cfg['max_train']} training rows, {cfg['depth']} x {cfg['width']} tanh MLP, "
+        f"{cfg['epochs']} epochs, FunctionalLaplace on {cfg['fl_subset']} points, "
+        f"M = {cfg['num_inducing']}; standardised units, lower is better; runtime "
+        f"{res['runtime_s']:.0f} s on one core.",
+    ]
+    return "\n".join(lines)
+
+
+def images_table(res: dict[str, Any]) -> str:
+    """Markdown: ACC / NLL / ECE / OOD-AUROC per method and data set, then the NLL on rotated
+    test images per angle; best per column in bold."""
+    datasets, methods, rec = _rows(res)
+    keys = (("acc", False), ("nll", True), ("ece", True), ("ood_auroc", False))
+    names = {"acc": "ACC", "nll": "NLL", "ece": "ECE", "ood_auroc": "OOD"}
+    cols = {
+        (d, k): _best([rec[d, m][k] for m in methods], lower) for d in datasets for k, lower in keys
+    }
+    head = " | ".join(f"{d} {names[k]}" for d in datasets for k, _ in keys)
+    lines = [f"| method | {head} |", "|---" * (len(datasets) * len(keys) + 1) + "|"]
+    for i, m in enumerate(methods):
+        cells = " | ".join(cols[d, k][i] for d in datasets for k, _ in keys)
+        lines.append(f"| {LABELS[m]} | {cells} |")
+    angles = [a for a in res["config"]["angles"] if a != 0.0]
+    rot = {
+        (d, a): _best([rec[d, m]["rotated"][str(a)]["nll"] for m in methods])
+        for d in datasets
+        for a in angles
+    }
+    head = " | ".join(f"{d} {a:g}°" for d in datasets for a in angles)
+    lines += ["", f"| NLL, rotated | {head} |", "|---" * (len(datasets) * len(angles) + 1) + "|"]
+    for i, m in enumerate(methods):
+        lines.append(f"| {LABELS[m]} | " + " | ".join(rot[k][i] for k in rot) + " |")
+    cfg = res["config"]
+    lines += [
+        "",
+        f"{cfg['max_train']} training / {cfg['max_test']} test images, 784-{cfg['width']}-"
+        f"{cfg['width']}-10 tanh MLP, {cfg['epochs']} epochs, FunctionalLaplace on "
+        f"{cfg['fl_subset']} images, ELLA M = {cfg['ella_landmarks']}, VaLLA M = "
+        f"{cfg['num_inducing']}; OOD = AUROC of the predictive entropy against the other data "
+        f"set's test images; runtime {res['runtime_s']:.0f} s on one core.",
+    ]
+    return "\n".join(lines)
+
+
+def replace_block(page: str, tag: str, body: str) -> str:
+    """``page`` with the text between ``<!-- tag:start -->`` and ``<!-- tag:end -->`` replaced."""
+    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), flags=re.DOTALL)
+    if not pattern.search(page):
+        raise SystemExit(f"{PAGE}: markers {start} ... {end} not found")
+    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", page)
+
+
+def update_tables(page: str) -> str:
+    """The page with both result tables rebuilt from the JSON files that exist."""
+    for path, tag, table in (
+        (REGRESSION_JSON, "fs-regression-table", regression_table),
+        (IMAGES_JSON, "fs-images-table", images_table),
+    ):
+        if path.exists():
+            page = replace_block(page, tag, table(json.loads(path.read_text())))
+            print(f"table {tag} updated")
+        else:
+            print(f"{path.relative_to(ROOT)} not found; {tag} left as is")
+    return page
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--no-example", action="store_true", help="skip running the example")
     parser.add_argument("--no-figure", action="store_true", help="skip the figure")
+    parser.add_argument("--no-tables", action="store_true", help="leave the tables as they are")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     parser.add_argument("--out", type=Path, default=FIGURE, help="figure path")
     args = parser.parse_args(argv)
@@ -222,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(bands))
             path = plot(bands, args.out)
             print(f"wrote {path} ({time.perf_counter() - start:.1f} s)")
+        if not args.no_tables:
+            PAGE.write_text(update_tables(PAGE.read_text()))
     finally:
         torch.set_num_threads(before)
     return 0

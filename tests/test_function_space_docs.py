@@ -3,6 +3,7 @@ linearised-Laplace bands (weight space = function space, ELLA with M = N = exact
 M < N below exact), and the figure is written."""
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -83,3 +84,24 @@ def test_defaults_are_the_page_example(script) -> None:
 @pytest.mark.slow
 def test_page_example_runs_as_written(script) -> None:
     assert script.run_example(script.example_code(script.PAGE.read_text())) > 0
+
+
+def test_page_tables_are_the_committed_results(script) -> None:
+    """The page's result tables are what the script builds from the committed JSON files, and
+    the bold cell of each column is its best value."""
+    page = script.PAGE.read_text()
+    assert script.update_tables(page) == page
+    reg = json.loads(script.REGRESSION_JSON.read_text())
+    table = script.regression_table(reg)
+    nll = {r["method"]: r["nll"] for r in reg["records"] if r["dataset"] == "power"}
+    best = min(nll, key=nll.get)
+    assert f"| {script.LABELS[best]} |" in next(
+        line for line in table.splitlines() if f"**{nll[best]:.3f}**" in line
+    )
+
+
+def test_replace_block_needs_both_markers(script) -> None:
+    text = "a\n<!-- t:start -->\nold\n<!-- t:end -->\nb"
+    assert script.replace_block(text, "t", "new") == "a\n<!-- t:start -->\nnew\n<!-- t:end -->\nb"
+    with pytest.raises(SystemExit, match="markers"):
+        script.replace_block("no markers here", "t", "new")

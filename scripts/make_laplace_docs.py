@@ -154,8 +154,9 @@ def uci_vi_table(res: dict[str, Any]) -> str:
             f"GLM VI: {merged['vi_steps']} full-batch steps, gamma {merged['vi_lr']:g}, "
             f"S = {merged['vi_samples']} antithetic samples from the GLM Laplace posterior; "
             f"{splits} splits (seeds {res['config']['splits']}), delta selected on validation "
-            f"NLL per split and method. Added in {len(runs)} runs ({minutes:.0f} min of "
-            f"single-threaded compute) that retrain the same MAP networks (largest test-NLL "
+            f"NLL per split and method. `config.merged.runs` lists the {len(runs)} runs that "
+            f"added GLM VI ({minutes:.0f} min of single-threaded compute in all, superseded "
+            f"ones included); each retrains the same MAP networks (largest test-NLL "
             f"difference to the MAP records of the base run: {diff:.1g}).",
         ]
     return "\n".join(lines)

@@ -150,6 +150,31 @@ def test_functional_cov_traced_equals_functional_cov_of_the_jacobian() -> None:
         assert _rel(f, model(xt)) < TOL
 
 
+@pytest.mark.parametrize("kron_bias", ["joint", "separate"])
+def test_traced_covariance_gradients_wrt_prior_and_noise_match(kron_bias: str) -> None:
+    """The traced covariance is differentiable in the per-tensor prior and the noise (through
+    the eigenvalues), with the same gradients as the dense route."""
+    from gaussify.curvature.jacobian import jacobians, linear_output_traces
+
+    model = _mlp(True, 2)
+    x, y, xt = _data("regression", 2)
+    la = gs.Laplace(model, "regression", "kron", "all", kron_bias=kron_bias).fit((x, y))
+    traced = linear_output_traces(model, xt, la.subset)
+    assert traced is not None
+    pairs = {p: (tr.inputs, tr.deltas) for p, tr in traced[1].items()}
+    jac = jacobians(model, xt, la.subset)
+    grads = []
+    for dense in (False, True):
+        prior = torch.linspace(0.5, 3.0, 6, dtype=torch.float64).requires_grad_(True)
+        sigma = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+        post = la.posterior_at(prior, sigma)
+        cov = post.functional_cov(jac) if dense else post.functional_cov_traced(pairs)
+        (cov * torch.tensor([[1.0, 0.3], [0.3, 2.0]], dtype=torch.float64)).sum().backward()
+        assert prior.grad is not None and sigma.grad is not None
+        grads.append(torch.cat([prior.grad, sigma.grad.reshape(1)]))
+    assert _rel(grads[0], grads[1]) < TOL
+
+
 class _SmallCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()

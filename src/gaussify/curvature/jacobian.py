@@ -658,7 +658,8 @@ def linear_output_traces(
         return None
     check_eval_mode(model)
     linears = _hookable_linears(model, subset)
-    if {n for tr in _named_params(linears) for n in tr} != set(subset.names):
+    covered = {f"{m}.{kind}" if m else kind for m, kinds in linears.items() for kind in kinds}
+    if covered != set(subset.names):
         return None
     f, captured = _traced_forward(model, x, linears)
     eye = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
@@ -668,11 +669,6 @@ def linear_output_traces(
     if not all(bool(torch.isfinite(tr.deltas).all()) for tr in traces):
         return None
     return f, {tr.module: tr for tr in traces}
-
-
-def _named_params(linears: dict[str, list[str]]) -> list[list[str]]:
-    """Full parameter names of each module of :func:`_hookable_linears`."""
-    return [[f"{m}.{kind}" if m else kind for kind in kinds] for m, kinds in linears.items()]
 
 
 def traced_jvp(traces: dict[str, _LinearTrace], tangents: dict[str, Tensor]) -> Tensor:

@@ -510,7 +510,7 @@ class KronPosteriorPrecision:
         ``f = [a, 1]`` (or ``a``, or ``[1]``, by the block's columns), so in the eigenbasis
         ``Q_out^T J_c Q_in = u_c psi^T`` with ``u_c = Q_out^T delta_c``, ``psi = Q_in^T f``
         and ``J_c Sigma J_k^T = sum_i u_ci u_ki s_i``, ``s`` from :meth:`_row_variances`:
-        O(N (d^2 + out^2 C + out d)) per block instead of the dense route's
+        O(N (d^2 + out d + C out^2 + C^2 out)) per block instead of the dense route's
         O(N C (out^2 d + out d^2)), and no ``(N, C, P)`` Jacobian. Equal to
         :meth:`functional_cov` of the Jacobian in exact arithmetic.
         """

@@ -57,10 +57,12 @@ __all__ = [
     "jacobians",
     "jvp",
     "jvp_with_outputs",
+    "linear_output_traces",
     "model_outputs",
     "per_sample_vjp",
     "resolve_subset",
     "squared_vjp_sum",
+    "traced_jvp",
     "vjp",
 ]
 
@@ -635,6 +637,52 @@ def _traces_from(
         if ok[m]
     ]
     return (f.detach() if backward else f), u, traces
+
+
+def linear_output_traces(
+    model: nn.Module, x: Tensor, subset: SubsetLike
+) -> tuple[Tensor, dict[str, _LinearTrace]] | None:
+    """(f (N, C) detached, module name -> trace) with every output's gradient at each layer:
+    the traces' ``deltas`` are (C, N, out), row c the gradient of f_c with respect to the
+    layer's output (cotangents the unit vectors e_c), ``inputs`` the layer's inputs a (N, in).
+
+    One forward pass with hooks and C backward passes (:func:`_linear_traces`), no (N, C, P)
+    Jacobian: the Jacobian of f_c with respect to a plain linear layer's weight is
+    delta_c a^T and with respect to its bias delta_c. None (nothing to use) unless every
+    parameter of the subset is on that route: a whole-tensor subset of plain ``nn.Linear``
+    modules, each run once on (N, in) inputs, with unshared parameters that enter the graph of
+    f once, and finite gradients (the generic path then reports the parameter of a NaN).
+    """
+    subset = resolve_subset(model, subset, subnetwork=True)
+    if subset.indices is not None:
+        return None
+    check_eval_mode(model)
+    linears = _hookable_linears(model, subset)
+    covered = {f"{m}.{kind}" if m else kind for m, kinds in linears.items() for kind in kinds}
+    if covered != set(subset.names):
+        return None
+    f, captured = _traced_forward(model, x, linears)
+    eye = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
+    f, _, traces = _traces_from(model, f, captured, linears, eye.expand(f.shape[0], -1, -1))
+    if {name for tr in traces for _, name in tr.params} != set(subset.names):
+        return None
+    if not all(bool(torch.isfinite(tr.deltas).all()) for tr in traces):
+        return None
+    return f, {tr.module: tr for tr in traces}
+
+
+def traced_jvp(traces: dict[str, _LinearTrace], tangents: dict[str, Tensor]) -> Tensor:
+    """J v (N, C) from :func:`linear_output_traces` traces covering the subset, for a tangent
+    given per parameter name (shapes of the parameters): ``sum_layers delta_c . (dW a + db)``."""
+    total: Tensor | int = 0
+    for tr in traces.values():
+        change = tr.deltas.new_zeros(tr.deltas.shape[1:])  # (N, out)
+        for kind, name in tr.params:
+            t = tangents[name].to(change.dtype)
+            change = change + (tr.inputs @ t.mT if kind == "weight" else t)
+        total = total + torch.einsum("cno,no->nc", tr.deltas, change)
+    assert isinstance(total, Tensor)
+    return total
 
 
 def _graph_uses(f: Tensor) -> dict[int, int]:

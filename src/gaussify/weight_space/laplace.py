@@ -31,6 +31,7 @@ from gaussify.curvature.jacobian import (
     resolve_subset,
     vjp,
 )
+from gaussify.curvature.kron import KronPosteriorPrecision, traced_predictive
 from gaussify.curvature.lastlayer import (
     find_output_linear,
     forward_with_features,
@@ -845,7 +846,15 @@ class Laplace:
         post = self.posterior
         layer = self._output_layer
         on_features = isinstance(post, LastLayerPrecision) and layer is not None
+        traced = isinstance(post, KronPosteriorPrecision) and not on_features
         for xs in x.split(chunk_size):
+            if traced and not xs.requires_grad:
+                # KFAC over nn.Linear layers: rank-one Jacobian rows, no (N, C, P) Jacobian
+                fast = traced_predictive(post, self.model, xs, self.subset, shift, diagonal_output)
+                if fast is not None:
+                    means.append(fast[0])
+                    covs.append(fast[1])
+                    continue
             f, phi = self._features(xs) if on_features else (self._f_star(xs), None)
             if phi is not None and layer is not None:
                 # J_n = I_C ⊗ [phi_n, 1]^T: mean and covariance from the features alone.

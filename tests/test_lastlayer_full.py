@@ -102,3 +102,51 @@ def test_feature_path_is_transactional() -> None:
     with pytest.raises(ValueError, match="unchanged"):
         curv.update(model, bad, y)
     assert torch.equal(curv.ggn, before) and curv.num_data == 23
+
+
+def test_feature_path_adds_chunks_in_place_when_no_entry_can_overflow(monkeypatch) -> None:
+    """Several chunks per batch with finite, bounded terms go straight into G: no (P, P)
+    temporary is made (``zeros_like`` is forbidden) and G equals the one-chunk sum."""
+    model, x, y = _setup("classification")
+    reference = _ggn(model, x, y, "classification", "last_layer")
+    import gaussify.curvature.full as full_module
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a (P, P) temporary was allocated")
+
+    curv = make_curvature("full", model, "classification", "last_layer", chunk_size=5)
+    monkeypatch.setattr(full_module.torch, "zeros_like", forbidden)
+    curv.update(model, x, y)
+    monkeypatch.undo()
+    torch.testing.assert_close(curv.ggn, reference.ggn, rtol=1e-12, atol=1e-12)
+
+
+def test_feature_path_batch_that_overflows_leaves_g_unchanged() -> None:
+    """float32 features of 1e20 (phi^2 = inf) cannot be bounded: the chunks go into a
+    checked temporary, the batch raises and G keeps the earlier batch's sum, which equals
+    the closed form for a Gaussian likelihood (M_n = I: G = I_C ⊗ sum_n phi~_n phi~_n^T)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).eval()  # float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, generator=g)
+    y = torch.randn(16, 2, generator=g)
+    curv = make_curvature("full", model, "regression", "last_layer", chunk_size=4)
+    curv.update(model, x, y)
+    before = curv.ggn.clone()
+    with pytest.raises(ValueError, match="unchanged"):
+        curv.update(model, 1e20 * x, y)
+    torch.testing.assert_close(curv.ggn, before, rtol=0, atol=0)
+    assert curv.num_data == 16
+    with torch.no_grad():
+        phi = torch.cat([model[0](x), torch.ones(16, 1)], dim=1)
+    gram = phi.T @ phi  # (D + 1)^2 in [w, b] order per output
+    closed = torch.zeros_like(before)
+    d = 4
+    for c in range(2):
+        w = slice(c * d, (c + 1) * d)
+        b = 2 * d + c
+        closed[w, w] = gram[:d, :d]
+        closed[w, b] = gram[:d, d]
+        closed[b, w] = gram[d, :d]
+        closed[b, b] = gram[d, d]
+    torch.testing.assert_close(before, closed, rtol=1e-5, atol=1e-4)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from gaussify.curvature.base import (
     GaussNewtonCurvature,
+    _sum_cannot_overflow,
     as_hyperparameter,
     check_offset,
     cholesky_psd,
@@ -34,7 +35,7 @@ from gaussify.curvature.lastlayer import (
     lastlayer_full_ggn,
 )
 from gaussify.curvature.subset import expand_prior
-from gaussify.likelihoods import Likelihood
+from gaussify.likelihoods import Likelihood, all_finite
 
 __all__ = [
     "CholeskyPrecision",
@@ -375,28 +376,44 @@ class FullGGN(GaussNewtonCurvature):
     ) -> None:
         """Last-layer path: G += sum_n M_n ⊗ phi~_n phi~_n^T from the output layer's features
         (:func:`gaussify.curvature.lastlayer.lastlayer_full_ggn`), M_n = L_n L_n^T, in chunks
-        of samples whose (B, C, C) and (B, C D') temporaries fit the chunk budget. Checked
-        finite before anything is added (the outputs were checked by the forward pass)."""
-        if not torch.isfinite(phi).all():
+        of samples whose (B, C, C) and (B, C D') temporaries fit the chunk budget.
+
+        Transactional without a (P, P) temporary where possible: the features are checked
+        finite first, and when every M_n is finite and the bound N max|M| max(phi^2, 1) +
+        max|G| is far below the dtype's largest number (:func:`_sum_cannot_overflow`, one
+        cheap pass over the (B, C, C) middles) no entry can overflow, so the chunks are added
+        to G directly. Otherwise they are summed into a (P, P) temporary, checked, then
+        added, so a failing batch leaves G unchanged."""
+        if not all_finite(phi):
             raise ValueError(
                 "x: the batch gives NaN or infinite Jacobian products (features of the output "
                 "layer not finite); the accumulated curvature is unchanged"
             )
         n, c = f.shape
         width = self.num_params // c
-        chunk = self._chunk(n, c * c + 2 * c * width)
-        target = self._ggn if chunk >= n else torch.zeros_like(self._ggn)
-        for sl in chunk_slices(n, chunk):
+        slices = list(chunk_slices(n, self._chunk(n, c * c + 2 * c * width)))
+
+        def middle(sl: slice) -> Tensor:
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
-            middle = factor @ factor.mT
-            if not torch.isfinite(middle).all():
+            return factor @ factor.mT
+
+        direct = len(slices) == 1 or _sum_cannot_overflow(phi, slices, middle, self._ggn)
+        target = self._ggn if direct else torch.zeros_like(self._ggn)
+        assert self._layer is not None
+        for sl in slices:
+            block = middle(sl)
+            if not all_finite(block):
                 raise ValueError(
                     "x: the batch gives NaN or infinite Jacobian products; the accumulated "
                     "curvature is unchanged"
                 )
-            assert self._layer is not None
-            lastlayer_full_ggn(phi[sl], middle, self._layer, target)
+            lastlayer_full_ggn(phi[sl], block, self._layer, target)
         if target is not self._ggn:
+            if not all_finite(target):
+                raise ValueError(
+                    "x: the batch gives NaN or infinite Jacobian products (the sum overflowed); "
+                    "the accumulated curvature is unchanged"
+                )
             self._ggn += target
 
     def _forget(self) -> None:

@@ -334,16 +334,27 @@ def lastlayer_full_ggn(phi: Tensor, middle: Tensor, layer: OutputLinear, out: Te
     phi (N, D) and middle matrices M (N, C, C) (Lambda_n, or L_n L_n^T for Monte Carlo / EF).
 
     In the [W, b] matrix layout entry ((c, d), (c', d')) is sum_n phi~_nd M_n[c, c'] phi~_nd';
-    row block c is one matmul Phi~^T R_c with R_c[n] = M_n[c, :] ⊗ phi~_n (N, C D'), so the
-    cost is O(N C^2 D'^2) (the generic product route J^T L L^T J costs O(N C^3 D'^2)), no
-    Jacobian is formed and the largest temporary is one (N, C D') block."""
+    row block c is one matmul Phi~^T R_c with R_c[n] = M_n[c, :] ⊗ phi~_n (N, C D'), added to
+    the W rows c D .. c D + D - 1 and the bias row C D + c of ``out`` through views. The cost
+    is O(N C^2 D'^2) (the generic product route J^T L L^T J costs O(N C^3 D'^2)), no Jacobian
+    is formed and the largest temporary is one (N, C D') block."""
     num_outputs = middle.shape[1]
     feats = lastlayer_features(phi, layer).to(out.dtype)
     n, width = feats.shape
-    index = lastlayer_index(num_outputs, phi.shape[1], layer, device=out.device)
-    cols = index.reshape(1, -1)
+    dim = phi.shape[1] if layer.has_weight else 0
+    bias_at = num_outputs * dim  # first bias row / column in subset order
     middle = middle.to(out.dtype)
     for c in range(num_outputs):
         rhs = (middle[:, c, :, None] * feats[:, None, :]).reshape(n, num_outputs * width)
-        out.index_put_((index[c].unsqueeze(-1), cols), feats.T @ rhs, accumulate=True)
+        block = (feats.T @ rhs).view(width, num_outputs, width)  # (d, c', d')
+        if layer.has_weight:
+            rows = out[c * dim : (c + 1) * dim]
+            rows[:, :bias_at] += block[:dim, :, :dim].reshape(dim, bias_at)
+            if layer.has_bias:
+                rows[:, bias_at:] += block[:dim, :, dim]
+        if layer.has_bias:
+            row = out[bias_at + c]
+            if layer.has_weight:
+                row[:bias_at] += block[dim, :, :dim].reshape(bias_at)
+            row[bias_at:] += block[width - 1, :, width - 1]
     return out

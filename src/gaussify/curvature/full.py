@@ -384,7 +384,9 @@ class FullGGN(GaussNewtonCurvature):
             )
         n, c = f.shape
         width = self.num_params // c
-        chunk = self._chunk(n, c * c + 2 * c * width)
+        # classes per matmul block: its (D', g C D') product within the chunk budget
+        per_block = max(1, min(c, self._chunk_budget() // max(1, c * width * width)))
+        chunk = self._chunk(n, c * c + 2 * per_block * c * width)
         target = self._ggn if chunk >= n else torch.zeros_like(self._ggn)
         for sl in chunk_slices(n, chunk):
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
@@ -395,7 +397,7 @@ class FullGGN(GaussNewtonCurvature):
                     "curvature is unchanged"
                 )
             assert self._layer is not None
-            lastlayer_full_ggn(phi[sl], middle, self._layer, target)
+            lastlayer_full_ggn(phi[sl], middle, self._layer, target, per_block)
         if target is not self._ggn:
             self._ggn += target
 

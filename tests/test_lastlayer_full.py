@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gaussify.curvature import make_curvature
-from gaussify.curvature.lastlayer import find_output_linear
+from gaussify.curvature.lastlayer import find_output_linear, lastlayer_full_ggn
 from gaussify.likelihoods import get_likelihood
 
 DT = torch.float64
@@ -150,3 +150,18 @@ def test_feature_path_batch_that_overflows_leaves_g_unchanged() -> None:
         closed[b, w] = gram[d, :d]
         closed[b, b] = gram[d, d]
     torch.testing.assert_close(before, closed, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("subset", list(SUBSETS))
+def test_class_blocks_give_the_same_ggn(subset: str) -> None:
+    # blocks of g classes per matmul (bounded temporaries) sum to the same G
+    model, x, y = _setup("classification")
+    curv = _ggn(model, x, y, "classification", SUBSETS[subset])
+    layer = find_output_linear(model, curv.subset)
+    assert layer is not None
+    phi = model[1](model[0](x))
+    lam = get_likelihood("classification").hessian(model(x)).detach()
+    p = curv.num_params
+    for g in (1, 3, 4):
+        out = lastlayer_full_ggn(phi.detach(), lam, layer, torch.zeros(p, p, dtype=DT), g)
+        torch.testing.assert_close(out, curv.ggn, rtol=1e-10, atol=1e-10)

@@ -391,7 +391,9 @@ class FullGGN(GaussNewtonCurvature):
             )
         n, c = f.shape
         width = self.num_params // c
-        slices = list(chunk_slices(n, self._chunk(n, c * c + 2 * c * width)))
+        # classes per matmul block: its (D', g C D') product within the chunk budget
+        per_block = max(1, min(c, self._chunk_budget() // max(1, c * width * width)))
+        slices = list(chunk_slices(n, self._chunk(n, c * c + 2 * per_block * c * width)))
 
         def middle(sl: slice) -> Tensor:
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
@@ -407,7 +409,7 @@ class FullGGN(GaussNewtonCurvature):
                     "x: the batch gives NaN or infinite Jacobian products; the accumulated "
                     "curvature is unchanged"
                 )
-            lastlayer_full_ggn(phi[sl], block, self._layer, target)
+            lastlayer_full_ggn(phi[sl], block, self._layer, target, per_block)
         if target is not self._ggn:
             if not all_finite(target):
                 raise ValueError(

@@ -329,21 +329,40 @@ def lastlayer_factor_cov(
 # --------------------------------------------------------------------------- full GGN
 
 
-def lastlayer_full_ggn(phi: Tensor, middle: Tensor, layer: OutputLinear, out: Tensor) -> Tensor:
+def lastlayer_full_ggn(
+    phi: Tensor, middle: Tensor, layer: OutputLinear, out: Tensor, classes_per_block: int = 0
+) -> Tensor:
     """Add sum_n M_n ⊗ phi~_n phi~_n^T to ``out`` (P, P) in subset order, from features
     phi (N, D) and middle matrices M (N, C, C) (Lambda_n, or L_n L_n^T for Monte Carlo / EF).
 
-    In the [W, b] matrix layout entry ((c, d), (c', d')) is sum_n phi~_nd M_n[c, c'] phi~_nd';
-    row block c is one matmul Phi~^T R_c with R_c[n] = M_n[c, :] ⊗ phi~_n (N, C D'), so the
-    cost is O(N C^2 D'^2) (the generic product route J^T L L^T J costs O(N C^3 D'^2)), no
-    Jacobian is formed and the largest temporary is one (N, C D') block."""
+    In the [W, b] matrix layout entry ((c, d), (c', d')) is sum_n phi~_nd M_n[c, c'] phi~_nd'.
+    For a block of g classes c it is one matmul Phi~^T R with R[n] = M_n[c, :] ⊗ phi~_n
+    (N, g C D'), added through views to the W rows c D .. c D + D - 1 and the bias rows
+    C D + c of ``out``. The cost is O(N C^2 D'^2) (the generic product route J^T L L^T J costs
+    O(N C^3 D'^2)), no Jacobian is formed, and the temporaries are (N, g C D') and
+    (D', g C D'), g = ``classes_per_block`` (0: all C)."""
     num_outputs = middle.shape[1]
     feats = lastlayer_features(phi, layer).to(out.dtype)
     n, width = feats.shape
-    index = lastlayer_index(num_outputs, phi.shape[1], layer, device=out.device)
-    cols = index.reshape(1, -1)
+    dim = phi.shape[1] if layer.has_weight else 0
+    bias_at = num_outputs * dim  # first bias row / column in subset order
     middle = middle.to(out.dtype)
-    for c in range(num_outputs):
-        rhs = (middle[:, c, :, None] * feats[:, None, :]).reshape(n, num_outputs * width)
-        out.index_put_((index[c].unsqueeze(-1), cols), feats.T @ rhs, accumulate=True)
+    step = classes_per_block or num_outputs
+    for c0 in range(0, num_outputs, step):
+        c1 = min(c0 + step, num_outputs)
+        g = c1 - c0
+        rhs = middle[:, c0:c1, :, None] * feats[:, None, None, :]
+        block = (feats.T @ rhs.reshape(n, -1)).view(width, g, num_outputs, width)
+        if layer.has_weight:
+            rows = out[c0 * dim : c1 * dim].unflatten(0, (g, dim))  # (g, D, P), a view
+            rows[..., :bias_at].unflatten(-1, (num_outputs, dim)).add_(
+                block[:dim, :, :, :dim].permute(1, 0, 2, 3)
+            )
+            if layer.has_bias:
+                rows[..., bias_at:].add_(block[:dim, :, :, dim].permute(1, 0, 2))
+        if layer.has_bias:
+            rows = out[bias_at + c0 : bias_at + c1]  # (g, P)
+            if layer.has_weight:
+                rows[:, :bias_at].unflatten(-1, (num_outputs, dim)).add_(block[dim, :, :, :dim])
+            rows[:, bias_at:].add_(block[width - 1, :, :, width - 1])
     return out

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import gaussify as gs
 from gaussify.curvature import make_curvature
 from gaussify.curvature.lastlayer import find_output_linear, lastlayer_full_ggn
 from gaussify.likelihoods import get_likelihood
@@ -165,3 +166,29 @@ def test_class_blocks_give_the_same_ggn(subset: str) -> None:
     for g in (1, 3, 4):
         out = lastlayer_full_ggn(phi.detach(), lam, layer, torch.zeros(p, p, dtype=DT), g)
         torch.testing.assert_close(out, curv.ggn, rtol=1e-10, atol=1e-10)
+
+
+def test_kron_output_layer_keeps_outputs_and_features_for_the_fit() -> None:
+    # KFAC over the output layer alone runs its forward without a graph and keeps
+    # (f, phi), so Laplace.fit needs no forward pass of its own; same statistics either way
+    model, x, y = _setup("classification")
+    curv = make_curvature("kron", model, "classification", "last_layer")
+    curv.update(model, x, y)
+    assert curv.last_outputs is not None
+    f, phi = curv.last_outputs
+    torch.testing.assert_close(f, model(x).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(phi, model[1](model[0](x)).detach(), rtol=0, atol=0)
+    everything = make_curvature("kron", model, "classification", "all")
+    everything.update(model, x, y)
+    assert everything.last_outputs is None
+    fits = []
+    for keep in (True, False):
+        la = gs.Laplace(model, "classification", "kron", "last_layer")
+        la._feature_path = keep
+        la.fit((x, y))
+        fits.append((la._log_lik, la._grad, la._curvature.kron_factors()))
+    torch.testing.assert_close(fits[0][0], fits[1][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fits[0][1], fits[1][1], rtol=1e-12, atol=1e-12)
+    for key, (a, b, m) in fits[0][2].items():
+        a2, b2, m2 = fits[1][2][key]
+        assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(m, m2)

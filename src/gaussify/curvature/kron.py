@@ -724,6 +724,12 @@ class KronGGN:
         self._dtype = ref.dtype
         self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
         self._basis_cache: _Basis | None = None
+        self._final_only = False  # every layer is the output layer: forward without graph
+        self._kept: tuple[Tensor, Tensor] | None = None
+        #: (f + offset (N, C), output-layer features phi (N, D)) of the latest ``update``
+        #: when the subset is the output layer alone (one chunk), else None: lets
+        #: ``Laplace.fit`` skip its own forward pass on the last-layer feature path
+        self.last_outputs: tuple[Tensor, Tensor] | None = None
 
     # -- accumulation
     def _output_vectors(self, f: Tensor, y: Tensor) -> Tensor:
@@ -752,9 +758,12 @@ class KronGGN:
         modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
         offset = check_offset(offset, x.shape[0])
         step = self.chunk_size or x.shape[0]
+        self.last_outputs = self._kept = None
         for start in range(0, x.shape[0], step):
             sl = slice(start, start + step)
             self._update_chunk(model, modules, x[sl], y[sl], None if offset is None else offset[sl])
+        if step >= x.shape[0]:
+            self.last_outputs = self._kept
         self._invalidate()
 
     def _invalidate(self) -> None:
@@ -780,7 +789,9 @@ class KronGGN:
 
         handles = [m.register_forward_hook(make_hook(p)) for p, m in modules.items()]
         try:
-            with torch.enable_grad():
+            # no graph when every layer's output is the model output (no backward pass):
+            # learned on the first chunk, see below
+            with torch.set_grad_enabled(not self._final_only):
                 f = model(x)
         finally:
             for h in handles:
@@ -796,8 +807,12 @@ class KronGGN:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"kron: the model must return outputs f of shape (N, C), got {shape}")
         outs = [captured[ly.path][0][1] for ly in self._layers]
+        if self._final_only and any(o is not f for o in outs):
+            self._final_only = False  # cannot happen for one model; redo with a graph
+            self._update_chunk(model, modules, x, y, offset)
+            return
         for ly, o in zip(self._layers, outs, strict=True):
-            if not o.requires_grad:
+            if o is not f and not o.requires_grad:
                 raise ValueError(
                     f"kron: the output of module {_display(ly.path)} does not require grad; "
                     "are its parameters frozen or is the model run under torch.no_grad()?"
@@ -811,6 +826,13 @@ class KronGGN:
             # (N, C, C) factor L (which is 1 GB for a 1000-class batch of 256 in float32).
             final = [ly for ly, o in zip(self._layers, outs, strict=True) if o is f]
             inner = [(ly, o) for ly, o in zip(self._layers, outs, strict=True) if o is not f]
+            self._final_only = not inner
+            if len(final) == 1 == len(self._layers):
+                # the output layer alone: keep (f, its input features) for Laplace.fit,
+                # which then needs no forward pass of its own (GaussNewtonCurvature's
+                # ``last_outputs``)
+                phi = captured[final[0].path][0][0]
+                self._kept = (at, phi) if phi.ndim == 2 else None
             exact = not self.ef and not self.mc_samples
             vecs = self._output_vectors(at, y) if inner or not exact else None
             for ly in final:

@@ -372,8 +372,8 @@ def test_fit_adds_at_most_one_forward_pass_and_matches_autograd(
     la.fit((x, y), batch_size=len(x))
     extra = counter.calls - own
     # generic path: one forward (with its backward) for log p(y | f) and J^T r; last-layer
-    # path: none where the curvature kept its outputs and features (full, diag)
-    expected = 1 if subset == "all" or structure == "kron" else 0
+    # path: none, every structure keeps its outputs and features (full, diag, kron)
+    expected = 1 if subset == "all" else 0
     assert extra == expected, (extra, own)
     # oracle: autograd on the summed log-likelihood
     names = la.subset.names

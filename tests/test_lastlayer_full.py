@@ -170,15 +170,20 @@ def test_class_blocks_give_the_same_ggn(subset: str) -> None:
 
 def test_kron_output_layer_keeps_outputs_and_features_for_the_fit() -> None:
     # KFAC over the output layer alone runs its forward without a graph and keeps
-    # (f, phi), so Laplace.fit needs no forward pass of its own; same statistics either way
+    # (f, phi) when asked (Laplace.fit asks), so Laplace.fit needs no forward pass of its
+    # own; same statistics either way. A bare curvature fit keeps nothing batch-sized.
     model, x, y = _setup("classification")
     curv = make_curvature("kron", model, "classification", "last_layer")
+    curv.update(model, x, y)
+    assert curv.last_outputs is None
+    curv.keep_outputs = True
     curv.update(model, x, y)
     assert curv.last_outputs is not None
     f, phi = curv.last_outputs
     torch.testing.assert_close(f, model(x).detach(), rtol=0, atol=0)
     torch.testing.assert_close(phi, model[1](model[0](x)).detach(), rtol=0, atol=0)
     everything = make_curvature("kron", model, "classification", "all")
+    everything.keep_outputs = True
     everything.update(model, x, y)
     assert everything.last_outputs is None
     fits = []

@@ -391,9 +391,13 @@ class FullGGN(GaussNewtonCurvature):
             )
         n, c = f.shape
         width = self.num_params // c
-        # classes per matmul block: its (D', g C D') product within the chunk budget
-        per_block = max(1, min(c, self._chunk_budget() // max(1, c * width * width)))
-        slices = list(chunk_slices(n, self._chunk(n, c * c + 2 * per_block * c * width)))
+        # the chunk budget split in two: classes per matmul block so that its (D', g C D')
+        # product takes half, samples per chunk so that their (B, g C D') right-hand side
+        # (and (B, C, C) middles) take the other half
+        half = self._chunk_budget() // 2
+        per_block = max(1, min(c, half // max(1, c * width * width)))
+        per_sample = 2 * (c * c + 2 * per_block * c * width)
+        slices = list(chunk_slices(n, self._chunk(n, per_sample)))
 
         def middle(sl: slice) -> Tensor:
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])

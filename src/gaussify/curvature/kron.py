@@ -730,6 +730,9 @@ class KronGGN:
         #: when the subset is the output layer alone (one chunk), else None: lets
         #: ``Laplace.fit`` skip its own forward pass on the last-layer feature path
         self.last_outputs: tuple[Tensor, Tensor] | None = None
+        #: keep ``last_outputs`` at all (``Laplace.fit`` asks for them; a bare curvature fit
+        #: does not, so it holds no batch-sized tensors between updates)
+        self.keep_outputs = False
 
     # -- accumulation
     def _output_vectors(self, f: Tensor, y: Tensor) -> Tensor:
@@ -764,6 +767,7 @@ class KronGGN:
             self._update_chunk(model, modules, x[sl], y[sl], None if offset is None else offset[sl])
         if step >= x.shape[0]:
             self.last_outputs = self._kept
+        self._kept = None  # handed over: the caller's references alone keep them alive
         self._invalidate()
 
     def _invalidate(self) -> None:
@@ -827,7 +831,7 @@ class KronGGN:
             final = [ly for ly, o in zip(self._layers, outs, strict=True) if o is f]
             inner = [(ly, o) for ly, o in zip(self._layers, outs, strict=True) if o is not f]
             self._final_only = not inner
-            if len(final) == 1 == len(self._layers):
+            if self.keep_outputs and len(final) == 1 == len(self._layers):
                 # the output layer alone: keep (f, its input features) for Laplace.fit,
                 # which then needs no forward pass of its own (GaussNewtonCurvature's
                 # ``last_outputs``)

@@ -309,6 +309,8 @@ class Laplace:
             from tqdm.auto import tqdm
 
             iterator = tqdm(batches, desc=f"Laplace fit ({self.structure})", unit="batch")
+        if hasattr(curvature, "keep_outputs"):
+            curvature.keep_outputs = True  # hand (f, phi) over instead of a second forward
         for x, y in iterator:
             if shift is None:
                 # One forward pass besides the curvature's own: none on the last-layer path

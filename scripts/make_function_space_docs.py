@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -60,12 +58,14 @@ LABELS = {
     "valla": "VaLLA",
 }
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from docs_page import example_code, replace_block, run_example  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import gaussify as gs  # noqa: E402
@@ -104,26 +104,6 @@ class Bands:
     ella: Tensor  # ELLA, M = config.landmarks (k-means)
     ella_all: Tensor  # ELLA, M = N
     num_params: int
-
-
-def example_code(page: str) -> str:
-    """The first ```python fenced block of the page."""
-    match = re.search(r"```python\n(.*?)```", page, flags=re.DOTALL)
-    if match is None:
-        raise SystemExit(f"{PAGE}: no ```python block found")
-    return match.group(1)
-
-
-def run_example(code: str) -> float:
-    """Execute the example in a fresh namespace from the repository root; return seconds."""
-    cwd = Path.cwd()
-    os.chdir(ROOT)
-    start = time.perf_counter()
-    try:
-        exec(compile(code, str(PAGE), "exec"), {"__name__": "__function_space_example__"})
-    finally:
-        os.chdir(cwd)
-    return time.perf_counter() - start
 
 
 def logit_difference_std(f_cov: Tensor) -> Tensor:
@@ -295,15 +275,6 @@ def images_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replace_block(page: str, tag: str, body: str) -> str:
-    """``page`` with the text between ``<!-- tag:start -->`` and ``<!-- tag:end -->`` replaced."""
-    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), flags=re.DOTALL)
-    if not pattern.search(page):
-        raise SystemExit(f"{PAGE}: markers {start} ... {end} not found")
-    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", page)
-
-
 def update_tables(page: str) -> str:
     """The page with both result tables rebuilt from the JSON files that exist."""
     for path, tag, table in (
@@ -311,7 +282,7 @@ def update_tables(page: str) -> str:
         (IMAGES_JSON, "fs-images-table", images_table),
     ):
         if path.exists():
-            page = replace_block(page, tag, table(json.loads(path.read_text())))
+            page = replace_block(page, tag, table(json.loads(path.read_text())), PAGE)
             print(f"table {tag} updated")
         else:
             print(f"{path.relative_to(ROOT)} not found; {tag} left as is")
@@ -330,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         if not args.no_example:
-            seconds = run_example(example_code(PAGE.read_text()))
+            seconds = run_example(example_code(PAGE.read_text(), PAGE), PAGE)
             print(f"example ran in {seconds:.1f} s")
         if not args.no_figure:
             start = time.perf_counter()

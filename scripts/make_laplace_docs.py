@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "laplace.md"
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from docs_page import example_code, replace_block, run_example  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 UCI_JSONS = (
     (RESULTS / "experiments_uci_classification_10splits.json", "All 10 splits (16-core machine)"),
@@ -42,36 +44,6 @@ LABELS = {
     "glm_vi": "GLM VI",
     "glm_vi_diag": "GLM VI diag",
 }
-
-
-def example_code(page: str) -> str:
-    """The first ```python fenced block of the page."""
-    match = re.search(r"```python\n(.*?)```", page, flags=re.DOTALL)
-    if match is None:
-        raise SystemExit(f"{PAGE}: no ```python block found")
-    return match.group(1)
-
-
-def run_example(code: str, threads: int) -> float:
-    """Execute the example in a fresh namespace from the repository root; return seconds.
-
-    torch runs with ``threads`` intra-op threads: the example's small network is fastest
-    single-threaded, and on a busy machine extra threads slow it down several times.
-    """
-    sys.path.insert(0, str(ROOT / "src"))
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    cwd = Path.cwd()
-    os.chdir(ROOT)
-    start = time.perf_counter()
-    try:
-        exec(compile(code, str(PAGE), "exec"), {"__name__": "__laplace_example__"})
-    finally:
-        os.chdir(cwd)
-        torch.set_num_threads(before)
-    return time.perf_counter() - start
 
 
 def _fmt(mean: float | None, se: float | None, digits: int = 3) -> str:
@@ -187,14 +159,6 @@ def marglik_table(res: dict[str, Any]) -> str:
     )
 
 
-def replace_block(page: str, tag: str, body: str) -> str:
-    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), flags=re.DOTALL)
-    if not pattern.search(page):
-        raise SystemExit(f"{PAGE}: markers {start} ... {end} not found")
-    return pattern.sub(lambda _: f"{start}\n{body}\n{end}", page)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-example", action="store_true", help="skip running the example")
@@ -203,23 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     page = PAGE.read_text()
     if not args.no_example:
-        seconds = run_example(example_code(page), args.threads)
+        seconds = run_example(example_code(page, PAGE), PAGE, args.threads)
         print(f"example ran in {seconds:.1f} s -> docs/figures/laplace_banana.png")
     if not args.no_tables:
         uci = uci_tables()
         if uci is None:
             print("no UCI result file found; uci-table left as is")
         else:
-            page = replace_block(page, "uci-table", uci)
+            page = replace_block(page, "uci-table", uci, PAGE)
             print("table uci-table updated")
         laptop = UCI_JSONS[1][0]
         if laptop.exists():
             vi = uci_vi_table(json.loads(laptop.read_text()))
-            page = replace_block(page, "uci-vi-table", vi)
+            page = replace_block(page, "uci-vi-table", vi, PAGE)
             print("table uci-vi-table updated")
         if MARGLIK_JSON.exists():
             page = replace_block(
-                page, "marglik-table", marglik_table(json.loads(MARGLIK_JSON.read_text()))
+                page, "marglik-table", marglik_table(json.loads(MARGLIK_JSON.read_text())), PAGE
             )
             print("table marglik-table updated")
         else:

@@ -17,36 +17,17 @@ Usage: ``python scripts/make_ngvi_docs.py [--no-example] [--no-experiments] [--s
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "ngvi.md"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from docs_page import example_code, replace_block, run_example  # noqa: E402
+
 FIGURES = ROOT / "docs" / "figures"
 RESULTS = ROOT / "benchmarks" / "results" / "experiments_ngvi_predictive.json"
-
-
-def example_code(page: str) -> str:
-    """The first ```python fenced block of the page."""
-    match = re.search(r"```python\n(.*?)```", page, flags=re.DOTALL)
-    if match is None:
-        raise SystemExit(f"{PAGE}: no ```python block found")
-    return match.group(1)
-
-
-def run_example(code: str) -> float:
-    """Execute the example in a fresh namespace from the repository root; return seconds."""
-    cwd = Path.cwd()
-    os.chdir(ROOT)
-    start = time.perf_counter()
-    try:
-        exec(compile(code, str(PAGE), "exec"), {"__name__": "__ngvi_example__"})
-    finally:
-        os.chdir(cwd)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -65,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     page = PAGE.read_text()
     if not args.no_example:
-        print(f"example ran in {run_example(example_code(page)):.1f} s")
+        print(f"example ran in {run_example(example_code(page, PAGE), PAGE):.1f} s")
     if args.no_experiments:
         return
     res = ngvi_predictive.run(steps=args.steps)
@@ -73,12 +54,7 @@ def main() -> None:
     print(f"experiments ran in {res.runtime_s:.1f} s")
     ngvi_predictive.plot(res, FIGURES)
     print(f"wrote {write_json(RESULTS, res.to_dict())}")
-    pattern = r"(<!-- ngvi-table:start -->\n).*?(<!-- ngvi-table:end -->)"
-    if re.search(pattern, page, flags=re.DOTALL) is None:
-        raise SystemExit(f"{PAGE}: no <!-- ngvi-table:start/end --> markers")
-    body = res.table() + "\n"
-    new = re.sub(pattern, lambda m: m.group(1) + body + m.group(2), page, flags=re.DOTALL)
-    PAGE.write_text(new)
+    PAGE.write_text(replace_block(page, "ngvi-table", res.table(), PAGE))
 
 
 if __name__ == "__main__":

@@ -47,16 +47,6 @@ FIGURE = ROOT / "docs" / "figures" / "function_space_banana.png"
 RESULTS = ROOT / "benchmarks" / "results"
 REGRESSION_JSON = RESULTS / "experiments_function_space_regression.json"
 IMAGES_JSON = RESULTS / "experiments_function_space_images.json"
-LABELS = {
-    "map": "MAP",
-    "last_layer": "LL Laplace",
-    "diag": "Diag Laplace",
-    "kfac": "KFAC Laplace",
-    "functional_laplace": "FunctionalLaplace (subset)",
-    "ella": "ELLA",
-    "sampled_lla": "Sampled-LLA",
-    "valla": "VaLLA",
-}
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -69,6 +59,7 @@ from docs_page import example_code, replace_block, run_example  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 import gaussify as gs  # noqa: E402
+from gaussify.experiments.function_space_regression import LABELS  # noqa: E402
 from gaussify.function_space.ella import ELLA  # noqa: E402
 from gaussify.function_space.gp import FunctionalLaplace  # noqa: E402
 from gaussify.plots import save_figure  # noqa: E402

@@ -197,3 +197,19 @@ def test_kron_output_layer_keeps_outputs_and_features_for_the_fit() -> None:
     for key, (a, b, m) in fits[0][2].items():
         a2, b2, m2 = fits[1][2][key]
         assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(m, m2)
+
+
+@pytest.mark.parametrize("structure", ["full", "diag"])
+def test_outputs_are_kept_only_when_asked(structure: str) -> None:
+    # a bare curvature fit holds no batch-sized tensors; with keep_outputs (Laplace.fit sets
+    # it) the latest batch's outputs and output-layer features are handed over
+    model, x, y = _setup("classification")
+    curv = make_curvature(structure, model, "classification", "last_layer")
+    curv.update(model, x, y)
+    assert curv.last_outputs is None
+    curv.keep_outputs = True
+    curv.update(model, x, y)
+    assert curv.last_outputs is not None
+    f, phi = curv.last_outputs
+    torch.testing.assert_close(f, model(x).detach(), rtol=0, atol=0)
+    torch.testing.assert_close(phi, model[1](model[0](x)).detach(), rtol=0, atol=0)

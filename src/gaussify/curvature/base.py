@@ -139,7 +139,8 @@ class Curvature(Protocol):
     """A curvature structure accumulated over batches (GGN eq. 2.24 or empirical Fisher).
 
     Optional: an attribute ``last_outputs`` = (f, phi or None) of the latest ``update``'s
-    batch (see :class:`GaussNewtonCurvature`); ``Laplace.fit`` then skips its own forward
+    batch, kept when the attribute ``keep_outputs`` is set (see
+    :class:`GaussNewtonCurvature`); ``Laplace.fit`` sets it and then skips its own forward
     pass on the last-layer path. Structures without it cost one extra forward per batch.
     ``update`` should be transactional: a batch that raises leaves the state unchanged.
     """
@@ -392,6 +393,9 @@ class GaussNewtonCurvature:
         #: where Lambda was evaluated), else None; lets a caller that also needs the outputs
         #: (``Laplace.fit``: log-likelihood and gradient) skip its own forward pass.
         self.last_outputs: tuple[Tensor, Tensor | None] | None = None
+        #: keep ``last_outputs`` at all (``Laplace.fit`` asks for them; a bare curvature fit
+        #: does not, so it holds no batch-sized tensors between updates)
+        self.keep_outputs = False
 
     @property
     def num_params(self) -> int:
@@ -452,7 +456,8 @@ class GaussNewtonCurvature:
             )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         phi = None if phi is None else phi.detach()
-        self.last_outputs = (f, phi)
+        if self.keep_outputs:
+            self.last_outputs = (f, phi)
         return f, phi
 
     def _draw(self, f: Tensor) -> Tensor | None:
@@ -594,7 +599,8 @@ class GaussNewtonCurvature:
             out=batch,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
-        self.last_outputs = (f, None)
+        if self.keep_outputs:
+            self.last_outputs = (f, None)
         return (batch if out is None else out.add_(batch)), f, None, held["draws"]
 
     def _load_num_data(self, state: dict[str, Tensor]) -> None:

@@ -18,6 +18,8 @@ from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihoo
 from gaussify.marglik import marglik_training
 from gaussify.predictive import Predictive
 from gaussify.training import train_map
+from gaussify.tuning import TuningResult
+from gaussify.warnings import ConvergenceWarning
 from gaussify.weight_space import GLMVI, LGVA, OGGN, VOGGN, Laplace, subnetwork
 
 __all__ = [
@@ -28,11 +30,13 @@ __all__ = [
     "VOGGN",
     "Bernoulli",
     "Categorical",
+    "ConvergenceWarning",
     "FunctionalLaplace",
     "Gaussian",
     "Laplace",
     "Predictive",
     "SampledLLA",
+    "TuningResult",
     "VaLLA",
     "approx_likelihoods",
     "data",

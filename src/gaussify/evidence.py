@@ -71,15 +71,13 @@ def optimize_hyperparameters(
     n_steps: int,
     lr: float,
 ) -> tuple[Tensor, Tensor]:
-    """Adam on the log prior precision (any shape) and log noise maximising
-    ``log_marglik(prior, sigma)``; returns the optimised (prior, sigma), detached."""
-    log_prior = prior_init.log().clone().requires_grad_(True)
-    log_sigma = sigma_init.log().clone().requires_grad_(tune_noise)
-    params = [log_prior] + ([log_sigma] if tune_noise else [])
-    opt = torch.optim.Adam(params, lr=lr)
-    for _ in range(n_steps):
-        opt.zero_grad()
-        loss = -log_marglik(log_prior.exp(), log_sigma.exp())
-        loss.backward()
-        opt.step()
-    return log_prior.detach().exp(), log_sigma.detach().exp()
+    """Maximise ``log_marglik(prior, sigma)`` over the log prior precision (any shape) and log
+    noise by the shared routine :func:`gaussify.tuning.tune_hyperparameters` (at most
+    ``n_steps`` iterations; ``lr`` is Adam's step there); returns (prior, sigma), detached."""
+    from gaussify.tuning import tune_hyperparameters
+
+    result = tune_hyperparameters(
+        log_marglik, prior_init, sigma_init, tune_noise=tune_noise, n_steps=n_steps, lr=lr
+    )
+    sigma = sigma_init.detach() if result.sigma_noise is None else result.sigma_noise
+    return result.prior_precision, torch.as_tensor(sigma).reshape(sigma_init.shape)

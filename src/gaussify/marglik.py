@@ -3,7 +3,8 @@
 Immer et al. (2021, "Scalable marginal likelihood estimation for model selection in deep
 learning", Alg. 1): gradient steps on the weights under the current prior precision delta (and
 noise sigma for regression) alternate, every ``marglik_frequency`` epochs after a burn-in, with
-``n_hypersteps`` gradient steps on log delta (and log sigma) that increase the Laplace-GGN log
+at most ``n_hypersteps`` iterations of the shared tuning routine (:mod:`gaussify.tuning`) on log
+delta (and log sigma) that maximise the Laplace-GGN log
 evidence of the current network (evidence.py, thesis eq. 3.18). The network with the best
 evidence is kept, which makes the evidence a model-selection criterion computed from training
 data alone.
@@ -22,6 +23,7 @@ from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.subset import select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.training import GaussianLogPrior
+from gaussify.tuning import OPTIMIZERS, Optimizer, check_choice, check_count, check_positive
 from gaussify.weight_space.laplace import Laplace, Structure
 
 __all__ = ["MarglikHistory", "marglik_training"]
@@ -55,6 +57,7 @@ def marglik_training(
     burnin: int = 10,
     marglik_frequency: int = 5,
     n_hypersteps: int = 50,
+    hyper_optimizer: Optimizer = "lbfgs",
     batch_size: int = 128,
     seed: int | None = None,
     progress: bool = False,
@@ -62,11 +65,23 @@ def marglik_training(
 ) -> tuple[nn.Module, Laplace, MarglikHistory]:
     """Train ``model`` and its prior precision (and regression noise) by the Laplace evidence.
 
+    Every ``marglik_frequency`` epochs after ``burnin`` the hyperparameters are tuned on the
+    current network by :meth:`Laplace.optimize_prior` (the shared routine of
+    :mod:`gaussify.tuning`: at most ``n_hypersteps`` iterations of ``hyper_optimizer``,
+    "lbfgs" or "adam" with step ``lr_hyp``, until converged; a
+    :class:`gaussify.warnings.ConvergenceWarning` when a phase ends unconverged).
+
     Returns the model restored to the epoch with the best log evidence, the Laplace posterior
     fitted there with the learned hyperparameters, and the history.
     """
-    if epochs <= 0 or marglik_frequency <= 0 or n_hypersteps <= 0:
-        raise ValueError("epochs, marglik_frequency, n_hypersteps: must be positive integers")
+    for name, count in (
+        ("epochs", epochs),
+        ("marglik_frequency", marglik_frequency),
+        ("n_hypersteps", n_hypersteps),
+    ):
+        check_count(count, name)
+    check_positive(lr_hyp, "lr_hyp")
+    check_choice(hyper_optimizer, "hyper_optimizer", OPTIMIZERS)
     if burnin < 0 or burnin >= epochs:
         raise ValueError(f"burnin: must be in [0, epochs), got {burnin}")
     if prior_structure not in ("scalar", "layer"):
@@ -85,10 +100,9 @@ def marglik_training(
     # the posterior's per-tensor priors are those of its subset's tensors
     in_subset = [all_names.index(n) for n in select_parameters(model, subset).names]
     n_prior = 1 if prior_structure == "scalar" else len(all_names)
-    log_delta = torch.full((n_prior,), float(prior_precision), dtype=dtype).log().requires_grad_()
-    log_sigma = torch.tensor(float(sigma_noise), dtype=dtype).log().requires_grad_(regression)
+    log_delta = torch.full((n_prior,), float(prior_precision), dtype=dtype).log()
+    log_sigma = torch.tensor(float(sigma_noise), dtype=dtype).log()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    hyper_opt = torch.optim.Adam([log_delta, log_sigma] if regression else [log_delta], lr=lr_hyp)
     history = MarglikHistory()
     best: tuple[float, dict[str, Tensor], Laplace] | None = None
     epoch_iter: Any = range(1, epochs + 1)
@@ -126,16 +140,23 @@ def marglik_training(
             sigma_noise=sigma,
             **laplace_options,
         ).fit(fit_batches)
-        for _ in range(n_hypersteps):
-            hyper_opt.zero_grad()
-            neg = -la.log_marginal_likelihood(
-                _prior(log_delta, prior_structure, in_subset), log_sigma.exp()
-            )
-            neg.backward()
-            hyper_opt.step()
+        # the evidence steps: the shared tuning routine (scale-aware start, at most
+        # n_hypersteps iterations, convergence test and ConvergenceWarning)
+        la.optimize_prior(
+            granularity=prior_structure,
+            tune_noise=regression,
+            n_steps=n_hypersteps,
+            lr=lr_hyp,
+            optimizer=hyper_optimizer,
+        )
         with torch.no_grad():
-            la.prior_precision = _prior(log_delta, prior_structure, in_subset).detach()
-            la.sigma_noise = log_sigma.detach().exp()
+            tuned = la.prior_precision.reshape(-1).log()
+            if prior_structure == "scalar":
+                log_delta = tuned.reshape(1).clone()
+            else:
+                log_delta = log_delta.clone()
+                log_delta[in_subset] = tuned
+            log_sigma = la.sigma_noise.detach().log().clone()
             value = float(la.log_marginal_likelihood())
         history.epochs.append(epoch)
         history.log_marglik.append(value)

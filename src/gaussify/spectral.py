@@ -18,9 +18,9 @@ once per fit:
 
 with t_k = sum of theta_i^2 and n_k the number of parameters in group k (the last sum is the
 non-MAP correction of Thm 3.3, present only when it is switched on). Each evaluation and its
-gradient then cost O(P) on (P,) vectors, whatever the structure; tuning runs a hand-written
-Adam (the update of ``torch.optim.Adam`` with its defaults) on the log-hyperparameters, in
-float64 NumPy, without autograd or any (P, P) matrix. The gradient is, with
+gradient then cost O(P) on (P,) vectors, whatever the structure; the shared tuning routine
+(:mod:`gaussify.tuning`) maximises it over the log-hyperparameters in float64 NumPy, without
+autograd or any (P, P) matrix. The gradient is, with
 a_j = -1/2 (1 / d_j) - w_j r_j / d_j - 1/2 r_j^2 / d_j^2 (the last two terms with the
 correction),
 
@@ -42,10 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Spectrum", "adam_maximize", "build_spectrum"]
-
-ADAM_BETAS = (0.9, 0.999)
-ADAM_EPS = 1e-8
+__all__ = ["Spectrum", "build_spectrum"]
 
 
 @dataclass(frozen=True)
@@ -167,51 +164,3 @@ def build_spectrum(
         sse=sse,
         count=count,
     )
-
-
-def adam_maximize(
-    spectrum: Spectrum,
-    log_prior: np.ndarray,
-    log_sigma: float | None,
-    *,
-    n_steps: int,
-    lr: float,
-) -> tuple[np.ndarray, float | None]:
-    """``n_steps`` of Adam (``torch.optim.Adam``'s update, betas (0.9, 0.999), eps 1e-8) on
-    -log Z over the log prior (K,) and, when ``log_sigma`` is not None, the log noise."""
-    beta1, beta2 = ADAM_BETAS
-    if log_sigma is None and spectrum.num_groups == 1 and spectrum.grad_proj is None:
-        return np.array([_adam_scalar(spectrum, float(log_prior[0]), n_steps, lr)]), None
-    x = np.array(log_prior, dtype=np.float64)
-    tune = log_sigma is not None
-    if tune:
-        x = np.append(x, float(log_sigma))
-    k = x.shape[0] - (1 if tune else 0)
-    m = np.zeros_like(x)
-    v = np.zeros_like(x)
-    for t in range(1, n_steps + 1):
-        _, g_prior, g_sigma = spectrum.evidence(x[:k], float(x[k]) if tune else None, value=False)
-        g = -np.append(g_prior, g_sigma) if tune else -g_prior
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        step = lr / (1 - beta1**t)
-        x = x - step * m / (np.sqrt(v) / math.sqrt(1 - beta2**t) + ADAM_EPS)
-    return x[:k], (float(x[k]) if tune else None)
-
-
-def _adam_scalar(spectrum: Spectrum, x: float, n_steps: int, lr: float) -> float:
-    """:func:`adam_maximize` for one prior, no correction, fixed noise, in Python floats:
-    d log Z / d log delta = -delta t / 2 + n / 2 - delta / 2 sum_j 1 / (s lambda_j + delta),
-    one pass over the eigenvalues per step."""
-    beta1, beta2 = ADAM_BETAS
-    scaled = spectrum.scale_ref * spectrum.eigenvalues
-    t_sq, half_n = float(spectrum.theta_sq[0]), 0.5 * float(spectrum.group_size[0])
-    m = v = 0.0
-    for t in range(1, n_steps + 1):
-        delta = math.exp(x)
-        trace = float(np.reciprocal(scaled + delta).sum())
-        g = -(half_n - 0.5 * delta * (t_sq + trace))  # Adam minimises -log Z
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        x -= lr / (1 - beta1**t) * m / (math.sqrt(v) / math.sqrt(1 - beta2**t) + ADAM_EPS)
-    return x

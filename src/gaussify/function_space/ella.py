@@ -30,6 +30,7 @@ for regression the sufficient statistics are stored per output so the noise can 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -39,11 +40,21 @@ from gaussify import distributed
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import gaussian_log_likelihood, optimize_hyperparameters
+from gaussify.evidence import gaussian_log_likelihood
 from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.tuning import (
+    Optimizer,
+    TuningResult,
+    check_choice,
+    check_count,
+    check_grid,
+    check_positive,
+    grid_search,
+    tune_hyperparameters,
+)
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
 
@@ -156,6 +167,8 @@ class ELLA:
         expand_prior(prior, self.subset)
         self.prior_precision = prior
         self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
+        self.tuning_result: TuningResult | None = None
         self._fitted = False
         self._chol: Tensor | None = None
 
@@ -326,10 +339,19 @@ class ELLA:
         tune_noise: bool | None = None,
         n_steps: int = 100,
         lr: float = 0.1,
-        grid: Tensor | None = None,
+        grid: Tensor | Sequence[float] | None = None,
+        optimizer: Optimizer = "lbfgs",
     ) -> ELLA:
         """Type-II maximum likelihood of a scalar prior precision (and the regression noise)
-        with the Nystrom evidence; ``data`` is fitted first when not fitted yet."""
+        with the Nystrom evidence, by the shared routine
+        :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
+        iterations, convergence test, :class:`gaussify.warnings.ConvergenceWarning` when it
+        stops unconverged; ``lr`` is the step of ``optimizer="adam"``); ``method="grid"``:
+        the best prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
+        :attr:`tuning_result`. ``data`` is fitted first when not fitted yet."""
+        check_choice(method, "method", ("gradient", "grid"))
+        n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
+        grid_values = None if grid is None else check_grid(grid)
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
@@ -339,25 +361,34 @@ class ELLA:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self._proj.dtype
         if method == "grid":
-            values = torch.logspace(-4, 4, 41, dtype=dtype) if grid is None else grid.to(dtype)
-            with torch.no_grad():
-                scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
-            self.prior_precision = values[int(scores.argmax())].clone()
-        elif method == "gradient":
-            prior, sigma = optimize_hyperparameters(
+
+            def score(v: Tensor) -> float:
+                with torch.no_grad():
+                    return float(self.log_marginal_likelihood(v))
+
+            result = grid_search(score, grid_values, dtype)
+            self.prior_precision = result.prior_precision
+        else:
+            noise_start = None
+            if tune_noise:
+                sse = self._stats["sse"]
+                noise_start = float((sse.sum() / (self.num_data * sse.numel())).sqrt())
+            result = tune_hyperparameters(
                 self.log_marginal_likelihood,
-                self.prior_precision.reshape(()),
+                self.prior_precision.reshape(()).to(dtype),
                 self.sigma_noise,
                 tune_noise=tune_noise,
                 n_steps=n_steps,
                 lr=lr,
+                optimizer=optimizer,
+                noise_start=noise_start,
+                caller="ELLA.optimize_prior",
             )
-            self.prior_precision = prior
-            if tune_noise:
-                self.sigma_noise = sigma
-                self.likelihood = get_likelihood("regression", sigma_noise=sigma)
-        else:
-            raise ValueError(f"method: expected 'gradient' or 'grid', got {method!r}")
+            self.prior_precision = result.prior_precision
+            if result.sigma_noise is not None:
+                self.sigma_noise = result.sigma_noise
+                self.likelihood = get_likelihood("regression", sigma_noise=result.sigma_noise)
+        self.tuning_result = result
         self._chol = None
         return self
 

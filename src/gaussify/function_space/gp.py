@@ -31,6 +31,7 @@ up to a few thousand; ``num_data_subset`` conditions on a random subset of the d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -40,10 +41,19 @@ from gaussify import distributed
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import optimize_hyperparameters
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
 from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.tuning import (
+    Optimizer,
+    TuningResult,
+    check_choice,
+    check_count,
+    check_grid,
+    check_positive,
+    grid_search,
+    tune_hyperparameters,
+)
 
 __all__ = [
     "FunctionalLaplace",
@@ -198,6 +208,8 @@ class FunctionalLaplace:
         dtype = next(model.parameters()).dtype
         self.prior_precision = self._validate_prior(prior_precision, dtype)
         self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
+        self.tuning_result: TuningResult | None = None
         self._fitted = False
         self._chol: Tensor | None = None
 
@@ -348,13 +360,21 @@ class FunctionalLaplace:
         tune_noise: bool | None = None,
         n_steps: int = 100,
         lr: float = 0.1,
-        grid: Tensor | None = None,
+        grid: Tensor | Sequence[float] | None = None,
+        optimizer: Optimizer = "lbfgs",
     ) -> FunctionalLaplace:
         """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
-        with the function-space evidence. ``method="gradient"``: Adam on log-hyperparameters,
-        ``granularity`` "scalar" or "layer" (one per parameter tensor); ``method="grid"``: the
-        best scalar prior on ``grid`` (default 10^-4 .. 10^4, 41 points). ``data`` is fitted
-        first when the posterior is not fitted yet."""
+        with the function-space evidence, by the shared routine
+        :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
+        iterations, convergence test, :class:`gaussify.warnings.ConvergenceWarning` when it
+        stops unconverged; ``lr`` is the step of ``optimizer="adam"``). ``granularity``
+        "scalar" or "layer" (one per parameter tensor); ``method="grid"``: the best scalar
+        prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
+        :attr:`tuning_result`. ``data`` is fitted first when the posterior is not fitted yet."""
+        check_choice(method, "method", ("gradient", "grid"))
+        check_choice(granularity, "granularity", ("scalar", "layer"))
+        n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
+        grid_values = None if grid is None else check_grid(grid)
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
@@ -364,34 +384,42 @@ class FunctionalLaplace:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self._f.dtype
         if method == "grid":
-            values = torch.logspace(-4, 4, 41, dtype=dtype) if grid is None else grid.to(dtype)
-            with torch.no_grad():
-                scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
-            self.prior_precision = values[int(scores.argmax())].clone()
+
+            def score(v: Tensor) -> float:
+                with torch.no_grad():
+                    return float(self.log_marginal_likelihood(v))
+
+            result = grid_search(score, grid_values, dtype)
+            self.prior_precision = result.prior_precision
+            self.tuning_result = result
             self._chol = None
             return self
-        if method != "gradient":
-            raise ValueError(f"method: expected 'gradient' or 'grid', got {method!r}")
         init = expand_prior(self.prior_precision, self.subset).to(dtype)
         if granularity == "scalar":
             start = init.mean().reshape(())
-        elif granularity == "layer":
+        else:
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.numels))])
             self._use_groups([[n] for n in self.subset.names])
-        else:
-            raise ValueError(f"granularity: expected 'scalar' or 'layer', got {granularity!r}")
-        prior, sigma = optimize_hyperparameters(
+        noise_start = None
+        if tune_noise:
+            residual = self._y.reshape(self._f.shape).to(dtype) - self._f
+            noise_start = float(residual.square().mean().sqrt())
+        result = tune_hyperparameters(
             self.log_marginal_likelihood,
             start,
             self.sigma_noise,
             tune_noise=tune_noise,
             n_steps=n_steps,
             lr=lr,
+            optimizer=optimizer,
+            noise_start=noise_start,
+            caller="FunctionalLaplace.optimize_prior",
         )
-        self.prior_precision = prior
-        if tune_noise:
-            self.sigma_noise = sigma
-            self.likelihood = get_likelihood("regression", sigma_noise=sigma)
+        self.prior_precision = result.prior_precision
+        if result.sigma_noise is not None:
+            self.sigma_noise = result.sigma_noise
+            self.likelihood = get_likelihood("regression", sigma_noise=result.sigma_noise)
+        self.tuning_result = result
         self._chol = None
         return self
 

@@ -11,6 +11,7 @@ holds state; the math lives in curvature/, predictive.py and evidence.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -48,7 +49,6 @@ from gaussify.curvature.subset import (
 from gaussify.evidence import (
     gaussian_log_likelihood,
     laplace_log_evidence,
-    optimize_hyperparameters,
 )
 from gaussify.likelihoods import Gaussian, Likelihood, all_finite, get_likelihood
 from gaussify.predictive import (
@@ -57,7 +57,17 @@ from gaussify.predictive import (
     predictive_from_gaussian,
     predictive_from_samples,
 )
-from gaussify.spectral import Spectrum, adam_maximize, build_spectrum
+from gaussify.spectral import Spectrum, build_spectrum
+from gaussify.tuning import (
+    Optimizer,
+    TuningResult,
+    check_choice,
+    check_count,
+    check_grid,
+    check_positive,
+    grid_search,
+    tune_hyperparameters,
+)
 from gaussify.weight_space.joint import function_samples, joint_predictive
 
 __all__ = ["Laplace"]
@@ -142,6 +152,8 @@ class Laplace:
         self._mean: Tensor | None = None  # until fit: the model's current weights (lazily)
         self.prior_mean = prior_mean
         self._output_layer = find_output_linear(model, self.subset)
+        #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
+        self.tuning_result: TuningResult | None = None
 
     # ------------------------------------------------------------------ hyperparameters
     # Setting any of them drops the cached posterior precision (built lazily from them), so
@@ -667,21 +679,33 @@ class Laplace:
         tune_noise: bool | None = None,
         n_steps: int = 100,
         lr: float = 0.1,
-        grid: Tensor | None = None,
+        grid: Tensor | Sequence[float] | None = None,
+        optimizer: Optimizer = "lbfgs",
     ) -> Laplace:
         """Type-II maximum likelihood of the prior precision (and, for regression, the noise).
 
-        ``method="gradient"``: Adam on log-hyperparameters for ``n_steps``; ``granularity`` is
-        "scalar", "layer" (one per parameter tensor) or "diag" (one per parameter).
-        ``method="grid"``: the best scalar prior on ``grid`` (default 10^-4 .. 10^4, 41 points).
-        ``data`` is fitted first when the posterior is not fitted yet.
+        ``method="gradient"``: :func:`gaussify.tuning.tune_hyperparameters` on the
+        log-hyperparameters, from a scale-aware start (a tied log-grid 10^-8 .. 10^8 and, for
+        the noise, the residual RMS), for at most ``n_steps`` iterations of ``optimizer``
+        ("lbfgs", or "adam" with step ``lr``) until the gradient or relative-change test
+        passes; ``granularity`` is "scalar", "layer" (one per parameter tensor) or "diag" (one
+        per parameter). An unconverged run warns with :class:`gaussify.warnings.
+        ConvergenceWarning`. ``method="grid"``: the best scalar prior on ``grid`` (a 1-D
+        tensor or sequence of positive values; default 10^-4 .. 10^4, 41 points). The outcome
+        is kept in :attr:`tuning_result`. ``data`` is fitted first when the posterior is not
+        fitted yet.
 
         Where the structure's eigenbasis diagonalises the prior (see :meth:`spectrum`: any
         prior on diag, a scalar one on full, one per Kronecker block on kron) the evidence
-        and its gradient are closed forms in the curvature's eigenvalues, O(P) per step
-        (:mod:`gaussify.spectral`), with the same Adam update; elsewhere every step
-        differentiates the dense evidence with autograd.
+        and its gradient are closed forms in the curvature's eigenvalues, O(P) per call
+        (:mod:`gaussify.spectral`); elsewhere every call differentiates the dense evidence
+        with autograd.
         """
+        check_choice(method, "method", ("gradient", "grid"))
+        sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
+        check_choice(granularity, "granularity", sorted(sizes))
+        n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
+        grid_values = None if grid is None else check_grid(grid)
         if data is not None and self._curvature is None:
             self.fit(data)
         self._require_fit()
@@ -691,21 +715,22 @@ class Laplace:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self.mean.dtype
         if method == "grid":
-            values = torch.logspace(-4, 4, 41, dtype=dtype) if grid is None else grid.to(dtype)
             spec = self.spectrum("scalar", tune_noise=False)
             if spec is not None:
-                logs = np.log(values.detach().cpu().to(torch.float64).numpy())
-                scores = torch.tensor([spec.evidence(v.reshape(1))[0] for v in logs])
+                closed = spec
+
+                def score(v: Tensor) -> float:
+                    return closed.evidence(np.log(v.double().cpu().numpy()).reshape(1))[0]
             else:
-                with torch.no_grad():
-                    scores = torch.stack([self.log_marginal_likelihood(v) for v in values])
-            self.prior_precision = values[int(scores.argmax())].clone()
+
+                def score(v: Tensor) -> float:
+                    with torch.no_grad():
+                        return float(self.log_marginal_likelihood(v))
+
+            result = grid_search(score, grid_values, dtype)
+            self.prior_precision = result.prior_precision
+            self.tuning_result = result
             return self
-        if method != "gradient":
-            raise ValueError(f"method: expected 'gradient' or 'grid', got {method!r}")
-        sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
-        if granularity not in sizes:
-            raise ValueError(f"granularity: expected one of {sorted(sizes)}, got {granularity!r}")
         init = expand_prior(self.prior_precision, self.subset)
         if granularity == "scalar":
             start = init.mean().reshape(1)
@@ -713,34 +738,36 @@ class Laplace:
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
-
+        noise_start = None
+        if tune_noise and self._sse is not None:
+            noise_start = math.sqrt(float(self._sse.sum()) / (self.num_data * self._sse.numel()))
         spec = self.spectrum(granularity, tune_noise=tune_noise)
         if spec is not None:
-            # closed form in the curvature's eigenbasis: O(P) per step (gaussify.spectral)
-            log_prior, log_sigma = adam_maximize(
-                spec,
-                np.log(start.detach().cpu().to(torch.float64).numpy()),
-                math.log(float(self.sigma_noise)) if tune_noise else None,
-                n_steps=n_steps,
-                lr=lr,
-            )
-            prior_t = torch.as_tensor(np.exp(log_prior), dtype=dtype, device=start.device)
-            self.prior_precision = prior_t.squeeze(0) if granularity == "scalar" else prior_t
-            if log_sigma is not None:
-                self.sigma_noise = torch.tensor(math.exp(log_sigma), dtype=dtype)
-            return self
+            # closed form in the curvature's eigenbasis: O(P) per call (gaussify.spectral)
+            evidence: Any = spec
+        else:
 
-        def objective(prior: Tensor, sigma: Tensor) -> Tensor:
-            return self.log_marginal_likelihood(
-                prior.squeeze(0) if granularity == "scalar" else prior, sigma
-            )
+            def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
+                return self.log_marginal_likelihood(
+                    prior.squeeze(0) if granularity == "scalar" else prior, sigma
+                )
 
-        prior, sigma = optimize_hyperparameters(
-            objective, start, self.sigma_noise, tune_noise=tune_noise, n_steps=n_steps, lr=lr
+        result = tune_hyperparameters(
+            evidence,
+            start.detach().to(dtype),
+            self.sigma_noise,
+            tune_noise=tune_noise,
+            n_steps=n_steps,
+            lr=lr,
+            optimizer=optimizer,
+            noise_start=noise_start,
+            caller="Laplace.optimize_prior",
         )
+        prior = result.prior_precision
         self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior
-        if tune_noise:
-            self.sigma_noise = sigma
+        if result.sigma_noise is not None:
+            self.sigma_noise = result.sigma_noise.reshape(())
+        self.tuning_result = result
         return self
 
     optimize_prior_precision = optimize_prior

@@ -154,22 +154,28 @@ def test_spectral_tuning_equals_autograd_tuning(
 ) -> None:
     # Both paths run the same optimiser (gaussify.tuning) to its convergence test, so they
     # agree to that test's accuracy rather than bit for bit: the evidence to 1e-9, the
-    # hyperparameters to 1e-3 (some per-parameter priors sit on a nearly flat evidence).
+    # hyperparameters to 1e-3 (some per-parameter priors sit on a nearly flat evidence). Near a
+    # MAP, where the evidence has an interior optimum (away from one, an untrained classifier's
+    # evidence keeps rising towards an infinite prior, and a diagonal GGN with the correction
+    # lets it rise without bound as sigma -> 0). Where a layer's prior runs to its bound (the
+    # evidence prefers switching that layer off), both paths must say so alike.
     tuned = {}
     for spectral in (True, False):
-        la = _laplace(task, structure, **options)
+        la = _laplace(task, structure, trained=True, **options)
         la._spectral_tuning = spectral
         with warnings.catch_warnings():
-            # regression-diag with the correction away from a MAP: the evidence grows without
-            # bound as sigma -> 0; both paths must report it unconverged alike
             warnings.simplefilter("ignore", gs.ConvergenceWarning)
             la.optimize_prior(granularity=granularity, n_steps=150, lr=0.1)  # type: ignore[arg-type]
         tuned[spectral] = (la.prior_precision.clone(), la.sigma_noise.clone(), la.tuning_result)
     fast, dense = tuned[True][2], tuned[False][2]
     assert fast is not None and dense is not None
     assert fast.converged == dense.converged
+    assert fast.converged or "bound" in fast.message
     assert math.isclose(fast.value, dense.value, rel_tol=1e-9)
-    torch.testing.assert_close(tuned[True][0], tuned[False][0], rtol=1e-3, atol=1e-10)
+    interior = tuned[True][0] < 1e9  # a prior at its bound sits on a plateau of the evidence
+    torch.testing.assert_close(
+        tuned[True][0][interior], tuned[False][0][interior], rtol=1e-3, atol=1e-10
+    )
     torch.testing.assert_close(tuned[True][1], tuned[False][1], rtol=1e-3, atol=1e-10)
     if task == "regression":
         assert not torch.equal(tuned[True][1], torch.tensor(0.4, dtype=DT))  # noise was tuned

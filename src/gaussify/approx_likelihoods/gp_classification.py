@@ -17,8 +17,8 @@ class (one per logit), observed through ``y~_nc ~ N(f_c(x_n), v~_nc)`` with the 
 * log marginal likelihood per class (Rasmussen & Williams eq. 2.30 with fixed noise)
   ``log p(y~_c) = -0.5 r^T A_c^-1 r - sum_i log L_ii - N/2 log 2 pi``, ``r = y~_c - m_c``,
   ``A_c = L L^T``; the total is the sum over classes;
-* hyperparameters ``log s`` and ``log l`` by maximising the total with L-BFGS (strong Wolfe
-  line search) through ``torch.linalg`` Cholesky factors; ``hyperparameters="per_class"`` gives
+* hyperparameters ``log s`` and ``log l`` by maximising the total with the shared L-BFGS of
+  :mod:`gaussify.tuning` (gradients through ``torch.linalg`` Cholesky factors); ``hyperparameters="per_class"`` gives
   every class its own ``(s_c, l_c)`` (the classes then decouple, as in gpytorch's batch model),
   ``"shared"`` one pair for all classes (as in Fig. 3);
 * latent predictive ``mu_c(x) = m_c + k_c(x)^T A_c^-1 r``,
@@ -39,6 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,6 +52,8 @@ from gaussify.approx_likelihoods.pseudo_targets import (
     pseudo_likelihood,
 )
 from gaussify.predictive import Predictive, laplace_bridge, probit
+from gaussify.tuning import BOUND_DECADES, check_count, maximize
+from gaussify.warnings import ConvergenceWarning
 
 __all__ = [
     "GP_LINKS",
@@ -445,62 +448,79 @@ class GPClassifier:
         tolerance_grad: float = 1e-7,
     ) -> GPFitResult:
         """Set the data (:meth:`set_data`) and, with ``optimize``, maximise the log marginal
-        likelihood over ``log lengthscale`` and ``log variance`` with L-BFGS (strong Wolfe line
-        search) until the gradient of ``-lml / (N C)`` is below ``tolerance_grad`` (max-norm)
-        or ``max_iter`` iterations. Returns a :class:`GPFitResult`."""
+        likelihood over ``log lengthscale`` and ``log variance`` with the L-BFGS of
+        :func:`gaussify.tuning.maximize` until the gradient of ``-lml / (N C)`` is below
+        ``tolerance_grad`` (max-norm) or ``max_iter`` iterations (then a
+        :class:`gaussify.warnings.ConvergenceWarning`). Returns a :class:`GPFitResult`."""
         self.set_data(x, y, num_classes)
         return self.optimize(max_iter=max_iter, tolerance_grad=tolerance_grad, enabled=optimize)
 
     def optimize(
         self, *, max_iter: int = 200, tolerance_grad: float = 1e-7, enabled: bool = True
     ) -> GPFitResult:
-        """Maximise the log marginal likelihood from the current hyperparameters (warm start);
-        see :meth:`fit`."""
-        if not isinstance(max_iter, int) or max_iter < 1:
-            raise ValueError(f"max_iter: must be a positive integer, got {max_iter!r}")
+        """Maximise the log marginal likelihood from the current hyperparameters (warm start)
+        with the shared optimiser of :mod:`gaussify.tuning` (L-BFGS on ``-lml / (N C)``, at
+        most ``max_iter`` iterations, converged when the gradient max-norm is at most
+        ``tolerance_grad`` (times max(1, |lml| / (N C))); a
+        :class:`gaussify.warnings.ConvergenceWarning` otherwise); see :meth:`fit`."""
+        max_iter = check_count(max_iter, "max_iter")
         _positive(tolerance_grad, "tolerance_grad")
         targets = self._require(self._targets, "optimize")
         scale = 1.0 / targets.numel()
-        log_ls = self._require(self.log_lengthscale, "optimize").clone().requires_grad_(True)
-        log_var = self._require(self.log_variance, "optimize").clone().requires_grad_(True)
+        log_ls0 = self._require(self.log_lengthscale, "optimize")
+        log_var0 = self._require(self.log_variance, "optimize")
+        num_ls = log_ls0.numel()
         trace: list[float] = []
-        iterations = 0
+
+        def split(x: Tensor) -> tuple[Tensor, Tensor]:
+            return x[:num_ls].reshape(log_ls0.shape), x[num_ls:]
+
+        def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
+            t = torch.tensor(x, dtype=self.dtype, device=log_ls0.device, requires_grad=True)
+            value = self.log_marginal_likelihood(*split(t)) * scale
+            (grad,) = torch.autograd.grad(value, t)
+            trace.append(-float(value.detach()))
+            return float(value.detach()), grad.detach().to("cpu", torch.float64).numpy()
+
+        x0 = torch.cat([log_ls0.flatten(), log_var0]).detach().to("cpu", torch.float64).numpy()
+        x, iterations, converged = x0, 0, False
         if enabled:
-            opt = torch.optim.LBFGS(
-                [log_ls, log_var],
-                lr=1.0,
-                max_iter=max_iter,
-                max_eval=int(max_iter * 1.5) + 10,
-                tolerance_grad=tolerance_grad,
-                tolerance_change=1e-14,
-                history_size=20,
-                line_search_fn="strong_wolfe",
+            width = BOUND_DECADES * math.log(10.0)
+            opt = maximize(
+                objective,
+                x0,
+                [(v - width, v + width) for v in x0],
+                max_steps=max_iter,
+                grad_tol=tolerance_grad,
+                rel_tol=tolerance_grad,
             )
-
-            def closure() -> Tensor:
-                opt.zero_grad()
-                loss = -self.log_marginal_likelihood(log_ls, log_var) * scale
-                loss.backward()
-                trace.append(float(loss.detach()))
-                return loss
-
-            opt.step(closure)
-            iterations = int(opt.state[opt._params[0]].get("n_iter", 0))
-        loss = -self.log_marginal_likelihood(log_ls, log_var) * scale
-        g_ls, g_var = torch.autograd.grad(loss, [log_ls, log_var])
-        grad_norm = float(torch.cat([g_ls.flatten(), g_var.flatten()]).abs().max())
-        self.log_lengthscale = log_ls.detach()
-        self.log_variance = log_var.detach()
+            x, iterations, converged = opt.x, opt.steps, opt.converged
+            if not converged:
+                warnings.warn(
+                    f"GPClassifier.optimize: did not converge after {iterations} L-BFGS "
+                    f"iterations (max |gradient| of -lml / (N C) = "
+                    f"{float(np.max(np.abs(opt.grad))):.3g}; {opt.message}); raise max_iter",
+                    ConvergenceWarning,
+                    stacklevel=2,
+                )
+        evaluations = len(trace)
+        final = torch.tensor(x, dtype=self.dtype, device=log_ls0.device, requires_grad=True)
+        loss = -self.log_marginal_likelihood(*split(final)) * scale
+        (grad,) = torch.autograd.grad(loss, final)
+        grad_norm = float(grad.abs().max())
+        log_ls, log_var = split(final.detach())
+        self.log_lengthscale = log_ls.clone()
+        self.log_variance = log_var.clone()
         self._factorise()
         per_class = self.log_marginal_likelihood(per_class=True).detach()
         return GPFitResult(
             lml=float(per_class.sum()),
             lml_per_class=[float(v) for v in per_class],
-            evaluations=len(trace),
+            evaluations=evaluations,
             iterations=iterations,
             grad_norm=grad_norm,
-            converged=grad_norm <= tolerance_grad,
-            trace=trace,
+            converged=converged if enabled else grad_norm <= tolerance_grad,
+            trace=trace[:evaluations],
         )
 
     # -- prediction -----------------------------------------------------------------

@@ -18,9 +18,9 @@ class (one per logit), observed through ``y~_nc ~ N(f_c(x_n), v~_nc)`` with the 
   ``log p(y~_c) = -0.5 r^T A_c^-1 r - sum_i log L_ii - N/2 log 2 pi``, ``r = y~_c - m_c``,
   ``A_c = L L^T``; the total is the sum over classes;
 * hyperparameters ``log s`` and ``log l`` by maximising the total with the shared L-BFGS of
-  :mod:`gaussify.tuning` (gradients through ``torch.linalg`` Cholesky factors); ``hyperparameters="per_class"`` gives
-  every class its own ``(s_c, l_c)`` (the classes then decouple, as in gpytorch's batch model),
-  ``"shared"`` one pair for all classes (as in Fig. 3);
+  :mod:`gaussify.tuning` (gradients through ``torch.linalg`` Cholesky factors);
+  ``hyperparameters="per_class"`` gives every class its own ``(s_c, l_c)`` (the classes then
+  decouple, as in gpytorch's batch model), ``"shared"`` one pair for all classes (as in Fig. 3);
 * latent predictive ``mu_c(x) = m_c + k_c(x)^T A_c^-1 r``,
   ``var_c(x) = s_c - k_c(x)^T A_c^-1 k_c(x)``;
 * class probabilities ``E[softmax(f)]`` over the independent latent Gaussians by Monte Carlo

@@ -3,7 +3,8 @@
 * :func:`select_alpha_eps`: fit once per value on a grid and keep the one whose predictions
   give the highest training log-likelihood under the *exact* (categorical) likelihood, as
   Milios et al. (2018) suggest and the paper does (Sec. 4, App. C.1.1).
-* :func:`tune_alpha_eps`: App. B's variational route. The exact posterior of the model with
+* :func:`tune_alpha_eps`: App. B's variational route (the shared optimiser of
+  :mod:`gaussify.tuning`). The exact posterior of the model with
   the Gaussian pseudo-likelihood is used as a variational posterior for the *exact* model, and
   ``alpha_eps`` is the only variational parameter: maximise
   ``L(alpha_eps) = -KL[q || p] + sum_n E_q[log p(y_n | f_n)]``. The model supplies the bound
@@ -14,13 +15,24 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from gaussify import metrics
+from gaussify.tuning import (
+    OPTIMIZERS,
+    Optimizer,
+    check_choice,
+    check_count,
+    check_positive,
+    maximize,
+)
+from gaussify.warnings import ConvergenceWarning
 
 __all__ = [
     "DEFAULT_GRID",
@@ -103,29 +115,51 @@ def tune_alpha_eps(
     steps: int = 100,
     lr: float = 0.05,
     bounds: tuple[float, float] = (1e-4, 10.0),
+    optimizer: Optimizer = "lbfgs",
 ) -> AlphaSelection:
-    """Maximise ``elbo(alpha_eps)`` (App. B) over ``log alpha_eps`` with Adam.
+    """Maximise ``elbo(alpha_eps)`` (App. B) over ``log alpha_eps`` with the shared optimiser
+    of :mod:`gaussify.tuning` (L-BFGS, or Adam with step ``lr``; at most ``steps`` iterations,
+    the same convergence test, a :class:`gaussify.warnings.ConvergenceWarning` when it stops
+    unconverged).
 
     ``elbo`` takes a 0-dim tensor ``alpha_eps`` (requiring grad) and returns the scalar bound,
-    differentiable in it. ``alpha_eps`` is kept within ``bounds``. Returns the best value seen.
+    differentiable in it. ``alpha_eps`` is clamped to ``bounds``. Returns the optimum, its
+    bound and the trace (evaluation index -> bound).
     """
-    if not init > 0:
-        raise ValueError(f"init: alpha_eps must be positive, got {init}")
-    low, high = (math.log(b) for b in bounds)
-    log_alpha = torch.tensor(math.log(init), dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.Adam([log_alpha], lr=lr)
+    init = check_positive(init, "init")
+    steps = check_count(steps, "steps")
+    lr = check_positive(lr, "lr")
+    low, high = (math.log(check_positive(b, "bounds")) for b in bounds)
+    if not low < high:
+        raise ValueError(f"bounds: expected (low, high) with low < high, got {bounds!r}")
+    check_choice(optimizer, "optimizer", OPTIMIZERS)
     trace: dict[float, float] = {}
-    best = (init, -math.inf)
-    for step in range(steps):
-        opt.zero_grad()
+
+    def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
+        log_alpha = torch.tensor(float(x[0]), dtype=torch.float64, requires_grad=True)
         alpha = log_alpha.clamp(low, high).exp()
         value = elbo(alpha)
         if not torch.isfinite(value):
             raise ValueError(f"elbo: not finite at alpha_eps={float(alpha.detach()):.3g}")
-        score = float(value.detach())
-        trace[float(step)] = score
-        if score > best[1]:
-            best = (float(alpha.detach()), score)
-        (-value).backward()
-        opt.step()
-    return AlphaSelection(best[0], best[1], trace)
+        (grad,) = torch.autograd.grad(value, log_alpha)
+        trace[float(len(trace))] = float(value.detach())
+        return float(value.detach()), np.array([float(grad)])
+
+    x0 = np.array([min(max(math.log(init), low), high)])
+    opt = maximize(
+        objective,
+        x0,
+        [(low - 1.0, high + 1.0)],
+        max_steps=steps,
+        optimizer=optimizer,
+        lr=lr,
+    )
+    if not opt.converged and "bound" not in opt.message:
+        warnings.warn(
+            f"tune_alpha_eps: did not converge after {opt.steps} {optimizer} steps "
+            f"(|d elbo / d log alpha_eps| = {float(np.abs(opt.grad).max()):.3g}; {opt.message})",
+            ConvergenceWarning,
+            stacklevel=2,
+        )
+    alpha = math.exp(min(max(float(opt.x[0]), low), high))
+    return AlphaSelection(alpha, opt.value, trace)

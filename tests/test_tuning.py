@@ -23,6 +23,8 @@ from scipy import optimize
 from torch import nn
 
 import gaussify as gs
+from gaussify import approx_likelihoods as al
+from gaussify.approx_likelihoods import GPClassifier
 from gaussify.tuning import TuningResult, tune_hyperparameters
 
 DT = torch.float64
@@ -336,3 +338,39 @@ def test_marglik_training_validates_its_tuning_arguments() -> None:
             gs.marglik_training(
                 nn.Linear(D, 1).double(), (x, y), "regression", epochs=2, burnin=0, **kwargs
             )
+
+
+# ------------------------------------------------------------------ the other tuned families
+def test_gp_classifier_uses_the_shared_contract() -> None:
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(45) % 3
+    x = torch.randn(3, 2, generator=g, dtype=DT)[y] * 1.5 + torch.randn(
+        45, 2, generator=g, dtype=DT
+    )
+    gp = GPClassifier("variational", 0.1)
+    with pytest.warns(gs.ConvergenceWarning, match=r"GPClassifier.optimize: did not converge"):
+        short = gp.fit(x, y, 3, max_iter=1)
+    assert not short.converged and short.iterations == 1
+    full = gp.optimize()  # warm start from there, converges
+    assert full.converged and full.grad_norm <= 1e-7 * max(1.0, abs(full.lml) / x.shape[0] / 3)
+    assert full.lml > short.lml
+
+
+def test_alpha_eps_tuning_converges_or_warns_and_checks_its_arguments() -> None:
+    def bound(a: torch.Tensor) -> torch.Tensor:
+        return -((a.log() - math.log(0.3)) ** 2)
+
+    result = al.tune_alpha_eps(bound, init=1e-3)
+    assert result.alpha_eps == pytest.approx(0.3, rel=1e-6)
+    with pytest.warns(gs.ConvergenceWarning, match="tune_alpha_eps"):
+        al.tune_alpha_eps(bound, init=1e-3, steps=1, optimizer="adam")
+    for kwargs, name in (
+        ({"steps": 0}, "steps"),
+        ({"steps": 2.5}, "steps"),
+        ({"lr": float("nan")}, "lr"),
+        ({"init": -1.0}, "init"),
+        ({"bounds": (1.0, 0.1)}, "bounds"),
+        ({"optimizer": "sgd"}, "optimizer"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{name}: "):
+            al.tune_alpha_eps(bound, **kwargs)

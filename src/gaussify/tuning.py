@@ -62,8 +62,10 @@ __all__ = [
     "check_count",
     "check_grid",
     "check_positive",
+    "check_tuning_arguments",
     "grid_search",
     "maximize",
+    "residual_rms",
     "tune_hyperparameters",
 ]
 
@@ -478,16 +480,29 @@ def tune_hyperparameters(
     return result
 
 
+def check_tuning_arguments(
+    method: object, n_steps: object, lr: object, grid: object, optimizer: object
+) -> tuple[int, float, Tensor | None]:
+    """The checks every ``optimize_prior`` runs before touching anything: ``method`` "gradient"
+    or "grid", ``n_steps`` a positive int, ``lr`` finite > 0, ``grid`` None or
+    :func:`check_grid`, ``optimizer`` one of :data:`OPTIMIZERS`; returns (n_steps, lr, grid)."""
+    check_choice(method, "method", ("gradient", "grid"))
+    check_choice(optimizer, "optimizer", OPTIMIZERS)
+    n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
+    return n_steps, lr, None if grid is None else check_grid(grid)
+
+
 def grid_search(
-    score: Callable[[Tensor], float],
-    grid: object,
+    evidence: ClosedFormEvidence | Callable[[Tensor], Tensor],
+    grid: Tensor | None,
     dtype: torch.dtype,
     *,
     default: tuple[float, float, int] = (-4.0, 4.0, 41),
 ) -> TuningResult:
-    """The grid value with the highest ``score`` (log evidence of a scalar prior); ``grid``
-    (None: ``logspace(*default)``) is checked by :func:`check_grid`. Values where the score
-    fails or is not finite are skipped; all failing raises FloatingPointError."""
+    """The scalar prior on ``grid`` (checked by :func:`check_grid`; None: ``logspace(*default)``)
+    with the highest log evidence, from a closed form (``evidence.evidence``) or a callable
+    ``prior -> log Z``. Values where the evidence fails or is not finite are skipped; all
+    failing raises FloatingPointError."""
     values = (
         torch.logspace(*default[:2], default[2], dtype=torch.float64)
         if grid is None
@@ -496,7 +511,11 @@ def grid_search(
     scores = []
     for v in values:
         try:
-            s = float(score(v))
+            if hasattr(evidence, "evidence"):
+                s = evidence.evidence(np.log(v.double().cpu().numpy()).reshape(1))[0]
+            else:
+                with torch.no_grad():
+                    s = float(evidence(v))  # type: ignore[operator]
         except _EVAL_ERRORS:
             s = -math.inf
         scores.append(s if math.isfinite(s) else -math.inf)
@@ -514,3 +533,9 @@ def grid_search(
         optimizer="grid",
         message=f"best of {len(scores)} grid values",
     )
+
+
+def residual_rms(sse: Tensor, num_data: int) -> float:
+    """sqrt(SSE / (N C)) from the per-output sums of squared residuals ``sse (C,)``: the
+    data-scale start of a Gaussian noise (see the module doc)."""
+    return math.sqrt(float(sse.sum()) / max(num_data * sse.numel(), 1))

@@ -48,11 +48,9 @@ from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.tuning import (
     Optimizer,
     TuningResult,
-    check_choice,
-    check_count,
-    check_grid,
-    check_positive,
+    check_tuning_arguments,
     grid_search,
+    residual_rms,
     tune_hyperparameters,
 )
 
@@ -349,9 +347,7 @@ class ELLA:
         stops unconverged; ``lr`` is the step of ``optimizer="adam"``); ``method="grid"``:
         the best prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
         :attr:`tuning_result`. ``data`` is fitted first when not fitted yet."""
-        check_choice(method, "method", ("gradient", "grid"))
-        n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
-        grid_values = None if grid is None else check_grid(grid)
+        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
@@ -361,18 +357,10 @@ class ELLA:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self._proj.dtype
         if method == "grid":
-
-            def score(v: Tensor) -> float:
-                with torch.no_grad():
-                    return float(self.log_marginal_likelihood(v))
-
-            result = grid_search(score, grid_values, dtype)
+            result = grid_search(self.log_marginal_likelihood, grid, dtype)
             self.prior_precision = result.prior_precision
         else:
-            noise_start = None
-            if tune_noise:
-                sse = self._stats["sse"]
-                noise_start = float((sse.sum() / (self.num_data * sse.numel())).sqrt())
+            noise_start = residual_rms(self._stats["sse"], self.num_data) if tune_noise else None
             result = tune_hyperparameters(
                 self.log_marginal_likelihood,
                 self.prior_precision.reshape(()).to(dtype),

@@ -48,9 +48,7 @@ from gaussify.tuning import (
     Optimizer,
     TuningResult,
     check_choice,
-    check_count,
-    check_grid,
-    check_positive,
+    check_tuning_arguments,
     grid_search,
     tune_hyperparameters,
 )
@@ -371,10 +369,8 @@ class FunctionalLaplace:
         "scalar" or "layer" (one per parameter tensor); ``method="grid"``: the best scalar
         prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
         :attr:`tuning_result`. ``data`` is fitted first when the posterior is not fitted yet."""
-        check_choice(method, "method", ("gradient", "grid"))
+        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
         check_choice(granularity, "granularity", ("scalar", "layer"))
-        n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
-        grid_values = None if grid is None else check_grid(grid)
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
@@ -384,12 +380,7 @@ class FunctionalLaplace:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self._f.dtype
         if method == "grid":
-
-            def score(v: Tensor) -> float:
-                with torch.no_grad():
-                    return float(self.log_marginal_likelihood(v))
-
-            result = grid_search(score, grid_values, dtype)
+            result = grid_search(self.log_marginal_likelihood, grid, dtype)
             self.prior_precision = result.prior_precision
             self.tuning_result = result
             self._chol = None

@@ -14,7 +14,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
@@ -62,10 +61,9 @@ from gaussify.tuning import (
     Optimizer,
     TuningResult,
     check_choice,
-    check_count,
-    check_grid,
-    check_positive,
+    check_tuning_arguments,
     grid_search,
+    residual_rms,
     tune_hyperparameters,
 )
 from gaussify.weight_space.joint import function_samples, joint_predictive
@@ -684,28 +682,20 @@ class Laplace:
     ) -> Laplace:
         """Type-II maximum likelihood of the prior precision (and, for regression, the noise).
 
-        ``method="gradient"``: :func:`gaussify.tuning.tune_hyperparameters` on the
-        log-hyperparameters, from a scale-aware start (a tied log-grid 10^-8 .. 10^8 and, for
-        the noise, the residual RMS), for at most ``n_steps`` iterations of ``optimizer``
-        ("lbfgs", or "adam" with step ``lr``) until the gradient or relative-change test
-        passes; ``granularity`` is "scalar", "layer" (one per parameter tensor) or "diag" (one
-        per parameter). An unconverged run warns with :class:`gaussify.warnings.
-        ConvergenceWarning`. ``method="grid"``: the best scalar prior on ``grid`` (a 1-D
-        tensor or sequence of positive values; default 10^-4 .. 10^4, 41 points). The outcome
-        is kept in :attr:`tuning_result`. ``data`` is fitted first when the posterior is not
-        fitted yet.
-
-        Where the structure's eigenbasis diagonalises the prior (see :meth:`spectrum`: any
-        prior on diag, a scalar one on full, one per Kronecker block on kron) the evidence
-        and its gradient are closed forms in the curvature's eigenvalues, O(P) per call
-        (:mod:`gaussify.spectral`); elsewhere every call differentiates the dense evidence
-        with autograd.
+        ``method="gradient"``: :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start,
+        at most ``n_steps`` iterations of ``optimizer``, "lbfgs" or "adam" with step ``lr``,
+        a convergence test, a :class:`gaussify.warnings.ConvergenceWarning` when it stops
+        unconverged); ``granularity`` "scalar", "layer" (per tensor) or "diag" (per parameter).
+        ``method="grid"``: the best scalar prior on ``grid`` (a 1-D tensor or sequence; default
+        10^-4 .. 10^4, 41 points). The outcome is kept in :attr:`tuning_result`. ``data`` is
+        fitted first when the posterior is not fitted yet. Where the structure's eigenbasis
+        diagonalises the prior (:meth:`spectrum`) the evidence and its gradient are closed forms
+        in the curvature's eigenvalues (:mod:`gaussify.spectral`, O(P) per call); elsewhere each
+        call differentiates the dense evidence with autograd.
         """
-        check_choice(method, "method", ("gradient", "grid"))
+        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))
-        n_steps, lr = check_count(n_steps, "n_steps"), check_positive(lr, "lr")
-        grid_values = None if grid is None else check_grid(grid)
         if data is not None and self._curvature is None:
             self.fit(data)
         self._require_fit()
@@ -715,21 +705,9 @@ class Laplace:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self.mean.dtype
         if method == "grid":
-            spec = self.spectrum("scalar", tune_noise=False)
-            if spec is not None:
-                closed = spec
-
-                def score(v: Tensor) -> float:
-                    return closed.evidence(np.log(v.double().cpu().numpy()).reshape(1))[0]
-            else:
-
-                def score(v: Tensor) -> float:
-                    with torch.no_grad():
-                        return float(self.log_marginal_likelihood(v))
-
-            result = grid_search(score, grid_values, dtype)
-            self.prior_precision = result.prior_precision
-            self.tuning_result = result
+            closed = self.spectrum("scalar", tune_noise=False)
+            result = grid_search(closed or self.log_marginal_likelihood, grid, dtype)
+            self.prior_precision, self.tuning_result = result.prior_precision, result
             return self
         init = expand_prior(self.prior_precision, self.subset)
         if granularity == "scalar":
@@ -738,29 +716,21 @@ class Laplace:
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
-        noise_start = None
-        if tune_noise and self._sse is not None:
-            noise_start = math.sqrt(float(self._sse.sum()) / (self.num_data * self._sse.numel()))
         spec = self.spectrum(granularity, tune_noise=tune_noise)
-        if spec is not None:
-            # closed form in the curvature's eigenbasis: O(P) per call (gaussify.spectral)
-            evidence: Any = spec
-        else:
 
-            def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
-                return self.log_marginal_likelihood(
-                    prior.squeeze(0) if granularity == "scalar" else prior, sigma
-                )
+        def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
+            prior = prior.squeeze(0) if granularity == "scalar" else prior
+            return self.log_marginal_likelihood(prior, sigma)
 
         result = tune_hyperparameters(
-            evidence,
+            evidence if spec is None else spec,  # closed form: O(P) per call
             start.detach().to(dtype),
             self.sigma_noise,
             tune_noise=tune_noise,
             n_steps=n_steps,
             lr=lr,
             optimizer=optimizer,
-            noise_start=noise_start,
+            noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
             caller="Laplace.optimize_prior",
         )
         prior = result.prior_precision

@@ -157,8 +157,8 @@ def test_spectral_tuning_equals_autograd_tuning(
     # hyperparameters to 1e-3 (some per-parameter priors sit on a nearly flat evidence). Near a
     # MAP, where the evidence has an interior optimum (away from one, an untrained classifier's
     # evidence keeps rising towards an infinite prior, and a diagonal GGN with the correction
-    # lets it rise without bound as sigma -> 0). Where a layer's prior runs to its bound (the
-    # evidence prefers switching that layer off), both paths must say so alike.
+    # lets it rise without bound as sigma -> 0). Where a layer's prior runs off towards infinity
+    # (the evidence prefers switching that layer off), both paths must say so alike.
     tuned = {}
     for spectral in (True, False):
         la = _laplace(task, structure, trained=True, **options)
@@ -170,7 +170,6 @@ def test_spectral_tuning_equals_autograd_tuning(
     fast, dense = tuned[True][2], tuned[False][2]
     assert fast is not None and dense is not None
     assert fast.converged == dense.converged
-    assert fast.converged or "bound" in fast.message
     assert math.isclose(fast.value, dense.value, rel_tol=1e-9)
     interior = tuned[True][0] < 1e9  # a prior at its bound sits on a plateau of the evidence
     torch.testing.assert_close(

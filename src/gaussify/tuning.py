@@ -16,26 +16,34 @@ Scale-aware start. The noise starts at the residual RMS sqrt(SSE / (N C)) when t
 passes it (``noise_start``): the maximiser of the Gaussian log-likelihood alone, from which the
 evidence optimum differs by the effective number of parameters (sigma^2 = SSE / (N C - gamma)
 for a linear model at its MAP). The prior starts at the best of the given value and a tied
-log-grid delta_1 = ... = delta_K = 10^-8 .. 10^8 (every half decade on a closed form, every
-decade on an autograd objective, where one call costs a factorisation), evaluated at the noise
-start. This is what makes the result independent of the start over 16 orders of magnitude.
+log-grid delta_1 = ... = delta_K around the weights' own scale P / ||theta - m0||^2 (the
+maximiser of the prior term alone; ``prior_centre``), +-8 decades for a float64 model and +-4
+below (where a float32 curvature's evidence is not resolved far from that scale), every half
+decade on a closed form and every decade on an autograd objective (one call = one
+factorisation), evaluated at the noise start. The result is then independent of the start.
 
-Optimiser. ``"lbfgs"`` (default): ``scipy.optimize.minimize(method="L-BFGS-B")`` on -log Z,
-with bounds of +-20 decades around the start so that exp(x) stays finite; quasi-Newton steps
-with a line search converge in tens of iterations where Adam at a fixed step needs thousands
-(and 100 Adam steps from 10^4 stop far from the optimum). ``"adam"``: ``torch.optim.Adam``'s
-update (betas (0.9, 0.999), eps 1e-8, step ``lr``) on the same objective, kept for users who
-want the online behaviour; both run the same convergence test.
+Optimiser. ``"lbfgs"`` (default): ``scipy.optimize.minimize(method="L-BFGS-B")`` on -log Z; a
+box of +-10 decades (+-6 below float64) around the centre is enforced by a penalty rather than
+passed to scipy, because with a bound on every variable its first trial is a full gradient step
+(as long as the gradient: tens of e-folds, out of the region where the evidence can be
+evaluated at all). Quasi-Newton steps with a line search
+converge in tens of iterations where Adam at a fixed step needs thousands (100 Adam steps from
+1e4 stop two orders of magnitude off); the line search stops resolving progress once the
+change of log Z falls below its rounding, so a few quasi-Newton steps with L-BFGS's inverse
+Hessian H then polish the result on the gradient alone. ``"adam"``: ``torch.optim.Adam``'s
+update (betas (0.9, 0.999), eps 1e-8, step ``lr``) on the same objective, for users who want the
+online behaviour; both end with the same convergence test.
 
-Convergence test, after each iteration (L-BFGS-B: scipy's own, whose tests are these two):
-``max_i |d log Z / d x_i| <= grad_tol`` (nats per unit of log-hyperparameter; an absolute
-test, floored at the objective's rounding level 1e3 eps max(1, |log Z|) so that a float32
-objective can pass it), or a relative change of log Z over the last iteration
-``<= rel_tol max(1, |log Z|)``. A run that ends by its step budget, a failed line search or a
-hyperparameter at its bound (the evidence still increasing) is not converged: the result says
-so (``converged=False``, ``message``) and a :class:`gaussify.warnings.ConvergenceWarning` is
-emitted. The argument checks (:func:`check_count`, :func:`check_positive`, :func:`check_grid`)
-raise ``ValueError`` naming the argument.
+Convergence test: ``max_i |d log Z / d x_i| <= max(grad_tol, rel_tol max(1, |log Z|))``
+(nats per unit of log-hyperparameter; the relative term, at least sqrt(eps) of the objective's
+dtype, is the rounding level of a gradient of a sum of O(|log Z|) terms), or, for L-BFGS, a
+quasi-Newton distance to the stationary point ``max |H g| <= x_tol`` (1e-3: every
+hyperparameter within 0.1%). A run that ends by its step budget, a stalled line search far from
+the optimum, or a hyperparameter at its box (the evidence still increasing) is not converged:
+the result says so (``converged=False``, ``message``) and a
+:class:`gaussify.warnings.ConvergenceWarning` is emitted. The argument checks
+(:func:`check_count`, :func:`check_positive`, :func:`check_grid`) raise ``ValueError`` naming
+the argument.
 """
 
 from __future__ import annotations
@@ -65,15 +73,18 @@ __all__ = [
     "check_tuning_arguments",
     "grid_search",
     "maximize",
+    "prior_from_weights",
     "residual_rms",
     "tune_hyperparameters",
 ]
 
 Optimizer = Literal["lbfgs", "adam"]
 OPTIMIZERS: tuple[str, ...] = ("lbfgs", "adam")
-#: log10 range of the tied start grid and the half-width (decades) of the bounds around it
-START_DECADES: tuple[float, float] = (-8.0, 8.0)
-BOUND_DECADES = 10.0
+#: half-width (decades) of the tied start grid and of the box around the prior centre, for a
+#: float64 model and for lower precision (where the evidence of a float32 curvature stops
+#: being resolved beyond about 10^+-6 around the weights' scale)
+START_DECADES = {True: 8.0, False: 4.0}
+BOUND_DECADES = {True: 10.0, False: 6.0}
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 #: what an evidence raises where it cannot be evaluated (a failed factorisation at an extreme
@@ -246,6 +257,7 @@ def maximize(
     lr: float = 0.1,
     grad_tol: float = 1e-7,
     rel_tol: float = 1e-6,
+    x_tol: float = 1e-3,
     precision: float = 1.5e-8,
 ) -> _Optimum:
     """Maximise ``objective`` (x -> (value, gradient)) from ``x0`` within ``bounds`` with the
@@ -296,11 +308,14 @@ def maximize(
         x, value, grad = _polish(neg, x, value, grad, res.hess_inv)
         message = str(res.message)
         steps = int(res.nit)
+        # distance to the stationary point by L-BFGS's curvature model: |H g| in log units
+        newton_step = float(np.max(np.abs(res.hess_inv @ grad))) if grad.size else 0.0
     elif optimizer == "adam":
         beta1, beta2 = ADAM_BETAS
         x = np.array(x0, dtype=np.float64)
         m, v = np.zeros_like(x), np.zeros_like(x)
         value, grad = objective(x)
+        newton_step = math.inf
         steps, message = 0, "STOP: TOTAL NO. OF ITERATIONS REACHED LIMIT"
         for t in range(1, max_steps + 1):
             if _grad_ok(grad, value, grad_tol, max(rel_tol, precision)):
@@ -329,6 +344,13 @@ def maximize(
     converged = _grad_ok(grad, value, grad_tol, max(rel_tol, precision))
     if converged:
         message = f"converged: max |d log Z / d log hyper| <= {tolerance:.3g}"
+    elif math.isfinite(value) and newton_step <= x_tol:
+        # the line search stopped resolving progress (rounding of log Z) this close to the
+        # stationary point of the curvature model: every hyperparameter within exp(x_tol)
+        converged = True
+        message = f"converged: quasi-Newton distance to the optimum {newton_step:.2g} <= {x_tol:g}"
+    elif optimizer == "lbfgs":
+        message = f"stopped: {message.lower()}"
     at_bound = ((x <= lo + 1.0) & (grad < 0)) | ((x >= hi - 1.0) & (grad > 0))
     if bool(at_bound.any()):
         converged = False
@@ -387,12 +409,15 @@ def tune_hyperparameters(
     rel_tol: float = 1e-6,
     noise_start: float | None = None,
     start_grid: bool = True,
+    prior_centre: float | None = None,
     caller: str = "optimize_prior",
 ) -> TuningResult:
     """Maximise the log evidence over log prior precision (shape of ``prior_init``) and, with
     ``tune_noise``, log noise (scalar ``sigma_init``), as the module doc describes; at most
     ``n_steps`` optimiser iterations. ``noise_start`` is the data-scale start of the noise
-    (the residual RMS); ``start_grid=False`` starts from the given values only. Warns with
+    (the residual RMS); ``prior_centre`` the centre of the start grid and box of the prior
+    (e.g. P / ||theta - m0||^2, the prior that maximises the prior term alone; default 1);
+    ``start_grid=False`` starts from the given values only. Warns with
     :class:`ConvergenceWarning` (naming ``caller``) when the run is not converged."""
     n_steps = check_count(n_steps, "n_steps")
     lr = check_positive(lr, "lr")
@@ -418,11 +443,15 @@ def tune_hyperparameters(
             starts.append(np.append(x_user, centre_sigma))
         else:
             centre_sigma = log_sigma0
+    double = prior_init.dtype == torch.float64 or not prior_init.is_floating_point()
+    log_centre = 0.0
+    if prior_centre is not None and math.isfinite(prior_centre) and prior_centre > 0:
+        log_centre = math.log(prior_centre)
     if start_grid:
         step = 0.5 if objective.closed_form else 1.0
-        lo_dec, hi_dec = START_DECADES
-        for log10 in np.arange(lo_dec, hi_dec + step / 2, step):
-            x = np.full(k, log10 * math.log(10.0))
+        half = START_DECADES[double]
+        for log10 in np.arange(-half, half + step / 2, step):
+            x = np.full(k, log_centre + log10 * math.log(10.0))
             starts.append(np.append(x, centre_sigma) if tune_noise else x)
     values = [objective.value(x) for x in starts]
     best = int(np.argmax(values))
@@ -432,8 +461,10 @@ def tune_hyperparameters(
             "hyperparameters"
         ) from objective.last_error
     x0 = starts[best]
-    width = BOUND_DECADES * math.log(10.0)
-    bounds = [(-width, width)] * k  # prior precision within 10^-10 .. 10^10
+    width = BOUND_DECADES[double] * math.log(10.0)
+    bounds = [
+        (min(log_centre, float(x0[:k].min())) - width, max(log_centre, float(x0[:k].max())) + width)
+    ] * k
     if tune_noise:
         assert centre_sigma is not None
         bounds.append((min(centre_sigma, x0[k]) - width, max(centre_sigma, x0[k]) + width))
@@ -533,6 +564,14 @@ def grid_search(
         optimizer="grid",
         message=f"best of {len(scores)} grid values",
     )
+
+
+def prior_from_weights(theta: Tensor) -> float | None:
+    """P / ||theta||^2 for ``theta (P,)`` = theta* - m0: the prior precision that maximises the
+    prior term -delta ||theta||^2 / 2 + P log(delta) / 2 alone, the weights' own scale (None when
+    theta is zero or not finite)."""
+    norm = float(theta.detach().double().square().sum())
+    return theta.numel() / norm if math.isfinite(norm) and norm > 0 else None
 
 
 def residual_rms(sse: Tensor, num_data: int) -> float:

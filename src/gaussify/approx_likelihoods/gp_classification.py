@@ -485,7 +485,7 @@ class GPClassifier:
         x0 = torch.cat([log_ls0.flatten(), log_var0]).detach().to("cpu", torch.float64).numpy()
         x, iterations, converged = x0, 0, False
         if enabled:
-            width = BOUND_DECADES * math.log(10.0)
+            width = BOUND_DECADES[True] * math.log(10.0)
             opt = maximize(
                 objective,
                 x0,

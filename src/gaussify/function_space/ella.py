@@ -50,6 +50,7 @@ from gaussify.tuning import (
     TuningResult,
     check_tuning_arguments,
     grid_search,
+    prior_from_weights,
     residual_rms,
     tune_hyperparameters,
 )
@@ -369,6 +370,7 @@ class ELLA:
                 n_steps=n_steps,
                 lr=lr,
                 optimizer=optimizer,
+                prior_centre=prior_from_weights(self.theta_star),
                 noise_start=noise_start,
                 caller="ELLA.optimize_prior",
             )

@@ -50,6 +50,7 @@ from gaussify.tuning import (
     check_choice,
     check_tuning_arguments,
     grid_search,
+    prior_from_weights,
     tune_hyperparameters,
 )
 
@@ -403,6 +404,7 @@ class FunctionalLaplace:
             n_steps=n_steps,
             lr=lr,
             optimizer=optimizer,
+            prior_centre=prior_from_weights(self.theta_star),
             noise_start=noise_start,
             caller="FunctionalLaplace.optimize_prior",
         )

@@ -63,6 +63,7 @@ from gaussify.tuning import (
     check_choice,
     check_tuning_arguments,
     grid_search,
+    prior_from_weights,
     residual_rms,
     tune_hyperparameters,
 )
@@ -730,6 +731,7 @@ class Laplace:
             n_steps=n_steps,
             lr=lr,
             optimizer=optimizer,
+            prior_centre=prior_from_weights(self.mean - self.prior_mean),
             noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
             caller="Laplace.optimize_prior",
         )

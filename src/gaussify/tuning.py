@@ -316,7 +316,7 @@ def maximize(
         m, v = np.zeros_like(x), np.zeros_like(x)
         value, grad = objective(x)
         newton_step = math.inf
-        steps, message = 0, "STOP: TOTAL NO. OF ITERATIONS REACHED LIMIT"
+        steps, message = 0, "ITERATIONS"
         for t in range(1, max_steps + 1):
             if _grad_ok(grad, value, grad_tol, max(rel_tol, precision)):
                 message = "CONVERGENCE: GRADIENT TEST PASSED"
@@ -349,8 +349,10 @@ def maximize(
         # stationary point of the curvature model: every hyperparameter within exp(x_tol)
         converged = True
         message = f"converged: quasi-Newton distance to the optimum {newton_step:.2g} <= {x_tol:g}"
-    elif optimizer == "lbfgs":
-        message = f"stopped: {message.lower()}"
+    elif "ITERATIONS" in message or "EVALUATIONS" in message:
+        message = f"step budget of {max_steps} exhausted"
+    elif "ABNORMAL" in message or "REDUCTION" in message:
+        message = "line search stalled (no increase of log Z resolved) away from a stationary point"
     at_bound = ((x <= lo + 1.0) & (grad < 0)) | ((x >= hi - 1.0) & (grad > 0))
     if bool(at_bound.any()):
         converged = False

@@ -432,3 +432,11 @@ def test_one_element_sigma_tensor_in_other_families(build: Callable[..., Any]) -
     ref = build(_mlp(c=2), 0.7).fit((x, y))
     assert one.sigma_noise.shape == ()
     assert torch.allclose(one.predict(x).var, ref.predict(x).var)
+
+
+def test_explain_restores_every_module_mode() -> None:
+    model = _mixed_mode_model()
+    before = _flags(model)
+    x, y = _data()
+    gs.function_space.explain(model, x[:2], x, y, top_k=2)
+    assert _flags(model) == before

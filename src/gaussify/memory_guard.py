@@ -16,9 +16,10 @@ The limit, in bytes, is the first of these that is set:
 3. the environment variable ``GAUSSIFY_MAX_BYTES`` (a number of bytes; ``inf`` disables
    the guard);
 4. :data:`DEFAULT_FRACTION` of the memory available now on the target device: on CPU,
-   ``MemAvailable`` of ``/proc/meminfo`` (capped by a cgroup v2 ``memory.max``), else the
-   free physical pages from ``os.sysconf``; on CUDA, the free device memory plus what
-   torch's caching allocator holds unused. Where none of these can be read, no limit.
+   ``MemAvailable`` of ``/proc/meminfo``, else the free physical pages from ``os.sysconf``,
+   capped by a cgroup v2 ``memory.max`` and an address-space limit (``ulimit -v``); on
+   CUDA, the free device memory plus what torch's caching allocator holds unused. Where
+   none of these can be read, no limit.
 
 One block of half the available memory is refused by default because none of these objects
 is allocated alone: the full GGN is updated through a second P x P temporary and factorised
@@ -103,7 +104,25 @@ def _cpu_available() -> int | None:
     if cap is not None and used is not None:
         room = max(cap - used, 0)
         available = room if available is None else min(available, room)
+    room = _address_space_room()
+    if room is not None:
+        available = room if available is None else min(available, room)
     return available
+
+
+def _address_space_room() -> int | None:
+    """What an address-space limit (``ulimit -v``) leaves above the process's current size."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            return None
+        with open("/proc/self/statm") as fh:
+            size = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    return max(soft - size, 0)
 
 
 def available_bytes(device: torch.device | str | None = None) -> int | None:

@@ -45,17 +45,19 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             module.training = training
 
 
-def in_eval_mode(method: F) -> F:
-    """Decorator for a method of an object holding the network as ``self.model``: the method
-    runs under :func:`eval_mode` of that model."""
+def in_eval_mode(function: F) -> F:
+    """Decorator: ``function`` runs under :func:`eval_mode` of its network -- its first
+    argument (or ``model=``) when that is an ``nn.Module``, else the ``model`` attribute of
+    its first argument (a method of an object holding the network as ``self.model``)."""
 
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        model = getattr(self, "model", None)
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else kwargs.get("model")
+        model = first if isinstance(first, nn.Module) else getattr(first, "model", None)
         if not isinstance(model, nn.Module):
-            return method(self, *args, **kwargs)
+            return function(*args, **kwargs)
         with eval_mode(model):
-            return method(self, *args, **kwargs)
+            return function(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 

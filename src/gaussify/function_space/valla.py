@@ -548,6 +548,7 @@ class VaLLA:
         self._require_init()
         return decoupled_kl(self.chol_v, self.theta_star, self._prior_vec())
 
+    @in_eval_mode
     def batch_objective(
         self, x: Tensor, y: Tensor, *, scale: float | None = None, chol_v: Tensor | None = None
     ) -> Tensor:
@@ -805,6 +806,7 @@ class VaLLA:
             return factor @ factor.T
 
     @property
+    @in_eval_mode
     def kernel_zz(self) -> Tensor:
         """K_ZZ (MC, MC), the prior covariance of the inducing outputs."""
         self._require_init()

@@ -102,6 +102,8 @@ def test_full_laplace_with_312k_parameters_refused_before_allocating_389_gb() ->
     assert "structure='diag', 'kron' or 'lowrank'" in msg and "subset" in msg
     assert info.value.num_bytes == 312_100**2 * 4
     assert read == [] and la._curvature is None
+    with max_bytes(64e9):  # the same model fits with the diagonal structure
+        gs.Laplace(model, "classification", structure="diag").fit(data())
 
 
 def test_full_guard_uses_the_default_limit_without_settings(
@@ -263,6 +265,10 @@ def test_squashed_predictive_is_bounded_by_e_over_e_plus_c_minus_1() -> None:
         la = gs.Laplace(model, "classification", structure="diag").fit((x, y))
     assert float(la.predict(x).probs.max()) <= math.e / (math.e + 4) + 1e-12
     assert last_module(model) is model[1]
+    # trailing modules that leave values unchanged are looked through
+    flat = nn.Sequential(nn.Linear(2, 3), nn.LogSoftmax(-1), nn.Flatten(), nn.Identity())
+    assert isinstance(last_module(flat), nn.LogSoftmax)
+    assert isinstance(last_module(nn.Linear(2, 3)), nn.Linear)
 
 
 # ---------------------------------------------------------------------------- train/eval mode

@@ -62,15 +62,18 @@ def in_eval_mode(function: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+#: Modules that do not change the values of their input (skipped when looking for the last).
+TRANSPARENT = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Dropout, nn.AlphaDropout)
+
+
 def last_module(model: nn.Module) -> nn.Module:
     """The last leaf module of ``model`` in registration order (for ``nn.Sequential``, the
-    last layer applied), descending through containers."""
-    current = model
-    while True:
-        children = list(current.children())
-        if not children:
-            return current
-        current = children[-1]
+    last layer applied), descending through containers and skipping trailing modules that
+    leave values unchanged (identity, flatten, dropout)."""
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    while len(leaves) > 1 and isinstance(leaves[-1], TRANSPARENT):
+        leaves.pop()
+    return leaves[-1] if leaves else model
 
 
 def warn_if_squashed_output(model: nn.Module, task: str, *, stacklevel: int = 3) -> None:

@@ -171,7 +171,9 @@ def _function_space_cases() -> list[tuple[str, Callable[[nn.Module], Any], str]]
         ("ELLA", lambda m: gs.ELLA(m, "classification", num_landmarks=20), "(M C)^2"),
         (
             "VaLLA",
-            lambda m: gs.VaLLA(m, "classification", num_inducing=20, epochs=1, max_steps=1),
+            lambda m: gs.VaLLA(
+                m, "classification", None, inducing_points=_data(20)[0], epochs=1, max_steps=1
+            ),
             "(M C)^2",
         ),
         (

@@ -254,3 +254,131 @@ def test_experiment_without_a_name_lists_every_experiment(
         line = next(line for line in out.splitlines() if line.split()[:1] == [name])
         first = " ".join(get(name).__doc__.split("\n\n")[0].split())
         assert line.split(None, 1)[1] == first
+
+
+# ------------------------------------------------------------------ gaussify experiment
+
+#: one bad value per experiment: (option, value, what the option expects)
+BAD_EXPERIMENT_VALUE = {
+    "approx_active": ("--steps", "0", "a positive integer"),
+    "approx_gp_classification": ("--splits", "0", "a positive integer"),
+    "approx_streaming": ("--width", "0", "a positive integer"),
+    "approx_training": ("--epochs", "0", "a positive integer"),
+    "function_space_images": ("--angles", "nan", "a finite number"),
+    "function_space_regression": ("--max-train", "0", "a positive integer"),
+    "function_space_toy": ("--num-inducing", "0", "a positive integer"),
+    "marglik_selection": ("--lr", "0", "a finite number > 0"),
+    "ngvi_predictive": ("--depth", "-1", "a non-negative integer"),
+    "uci_classification": ("--n-jobs", "0", "a positive integer"),
+    "vbll_classification": ("--seeds", "0", "a positive integer"),
+    "vbll_uci": ("--patience", "0", "a positive integer"),
+}
+
+
+@pytest.fixture
+def no_experiment_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any experiment's ``run`` (or the demo's training) is called."""
+    from gaussify import experiments
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the experiment started before refusing its arguments")
+
+    for name in experiments.EXPERIMENTS:
+        monkeypatch.setattr(experiments.get(name), "run", refuse)
+
+
+def test_bad_values_table_covers_every_experiment() -> None:
+    from gaussify.experiments import EXPERIMENTS
+
+    assert set(BAD_EXPERIMENT_VALUE) == set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_EXPERIMENT_VALUE))
+def test_every_experiment_refuses_a_bad_number_in_one_line_before_running(
+    name: str, capsys: pytest.CaptureFixture[str], no_experiment_runs: None
+) -> None:
+    option, value, expected = BAD_EXPERIMENT_VALUE[name]
+    code, err = run_cli(["experiment", name, option, value], capsys)
+    assert code == 2
+    assert err == [
+        f"gaussify: error: argument {option}: expected {expected}, got '{value}' "
+        f"(see 'gaussify experiment {name} --help')"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_EXPERIMENT_VALUE))
+def test_every_experiment_refuses_an_unwritable_output_before_running(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_experiment_runs: None
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    target = afile / "results.json"
+    code, err = run_cli(["experiment", name, "--output", str(target)], capsys)
+    assert code == 2
+    assert err == [
+        f"gaussify: error: argument --output: '{target}' cannot be created, '{afile}' is a file"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_EXPERIMENT_VALUE))
+def test_every_experiment_has_the_same_progress_switch(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import inspect
+
+    from gaussify import experiments
+
+    with pytest.raises(SystemExit) as info:
+        main(["experiment", name, "--help"])
+    assert info.value.code == 0
+    assert "--progress, --no-progress" in capsys.readouterr().out
+    # the switch reaches run(): every experiment's run takes progress, off by default
+    parameter = inspect.signature(experiments.get(name).run).parameters["progress"]
+    assert parameter.default is False
+
+
+def test_experiment_notes_an_output_it_will_replace_and_reports_library_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gaussify.experiments import marglik_selection, uci_classification
+
+    old = tmp_path / "old.json"
+    old.write_text("{}")
+
+    def bad_value(**kwargs: object) -> None:
+        assert kwargs["progress"] is False  # --no-progress reached run()
+        raise ValueError("deltas: must be positive")
+
+    monkeypatch.setattr(marglik_selection, "run", bad_value)
+    argv = ["experiment", "marglik_selection", "--no-progress", "--output", str(old)]
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    assert err[0] == f"note: --output '{old}' exists and will be replaced"
+    assert err[1].startswith("gaussify: error: deltas: must be positive") and len(err) == 2
+    assert old.read_text() == "{}"
+    # a regression set in a classification table: refused by run() before any training
+    monkeypatch.setattr(uci_classification, "train_map", lambda *a, **k: pytest.fail("trained"))
+    code, err = run_cli(["experiment", "uci_classification", "--datasets", "iris", "yacht"], capsys)
+    assert code == 2
+    assert err == [
+        "gaussify: error: datasets: ['yacht'] are regression data sets, not classification"
+    ]
+
+
+def test_python_dash_m_entry_point_reports_errors_the_same_way(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gaussify.experiments._report import run_main
+
+    def main_raising(argv: list[str]) -> int:
+        assert argv == ["--quick"]  # --debug is taken out
+        raise ValueError("datasets: unknown\n['nope']")
+
+    with pytest.raises(SystemExit) as info:
+        run_main(main_raising, ["--quick"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gaussify: error: datasets: unknown ['nope'] (--debug shows the traceback)"
+    ]
+    with pytest.raises(ValueError, match="datasets: unknown"):
+        run_main(main_raising, ["--quick", "--debug"])

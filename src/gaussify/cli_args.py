@@ -121,15 +121,17 @@ def add_progress_argument(parser: argparse.ArgumentParser, default: bool = True)
 # ------------------------------------------------------------------------- output paths
 
 
-def _creatable(path: Path, option: str) -> None:
-    """Raise :class:`UsageError` unless the folder ``path`` exists or can be created."""
+def _creatable(path: Path, option: str, shown: Path | None = None) -> None:
+    """Create the folder ``path`` (if missing) or raise :class:`UsageError` naming ``option``
+    and ``shown`` (the path the user gave; default ``path``)."""
+    shown = path if shown is None else shown
     ancestor = path
     while not ancestor.exists():
         if ancestor.parent == ancestor:
             break
         ancestor = ancestor.parent
     if ancestor.exists() and not ancestor.is_dir():
-        raise UsageError(f"argument {option}: '{path}' cannot be created, '{ancestor}' is a file")
+        raise UsageError(f"argument {option}: '{shown}' cannot be created, '{ancestor}' is a file")
     if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"argument {option}: no permission to write in '{ancestor}'")
     try:
@@ -176,7 +178,7 @@ def prepare_output_file(
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"argument {option}: '{target}' is a folder; give a file name")
-    _creatable(target.parent, option)
+    _creatable(target.parent, option, target)
     if target.exists():
         if not os.access(target, os.W_OK):
             raise UsageError(f"argument {option}: '{target}' exists and is not writable")

@@ -204,10 +204,14 @@ def run_reporting_errors(call: Callable[[], int], debug: bool = False) -> int:
     """Run ``call()`` and return its exit status; a refused request (:data:`USER_ERRORS`)
     becomes one line ``gaussify: error: ...`` on stderr and status 2 (an error raised outside
     gaussify, e.g. inside torch, adds a pointer to ``--debug``), an interrupt status 130.
-    With ``debug`` the exception propagates with its traceback. Other exceptions are bugs and
-    propagate unchanged."""
+    A closed output pipe ends the command quietly (status 1). With ``debug`` the exception
+    propagates with its traceback. Other exceptions are bugs and propagate unchanged."""
     try:
         return int(call())
+    except BrokenPipeError:  # the reader went away (`gaussify datasets | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         if debug:
             raise

@@ -36,6 +36,7 @@ __all__ = [
     "read_npz",
     "recorded_sha256",
     "sha256_of",
+    "verify_file",
 ]
 
 #: where the vendored ``<name>.npz`` files are read from

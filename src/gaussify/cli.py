@@ -105,9 +105,9 @@ def _demo_choices() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from gaussify.plots import plot_reliability
-
     out = _check_demo(args)
+    from gaussify.plots import plot_reliability  # after the checks: matplotlib is slow to load
+
     replaced = [name for name in DEMO_OUTPUTS if (out / name).exists()]
     start = time.perf_counter()
     torch.manual_seed(args.seed)

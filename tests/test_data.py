@@ -546,3 +546,20 @@ def test_fashion_full_loads_when_installed_or_says_how_to_install() -> None:
     assert (ds.n, ds.d, ds.num_classes) == EXPECTED["fashion_mnist_full"]
     assert ds.sizes == (50000, 10000, 10000) and ds.x_train.shape == (50000, 784)
     check_stratified(ds)
+
+
+def test_missing_sums_file_refuses_every_vendored_file_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(raw_mod, "SUMS_FILE", tmp_path / "SHA256SUMS")
+    raw_mod.recorded_sha256.cache_clear()
+    raw_mod.read_npz.cache_clear()
+    try:
+        assert raw_mod.recorded_sha256() == {}
+        missing = r"^glass: no SHA-256 recorded for glass\.npz .*\(the file is missing\)"
+        with pytest.raises(gd.CorruptDataError, match=missing):
+            gd.load("glass")
+        assert gd.load("two_moons").n == 1000  # generated data need no file
+    finally:
+        raw_mod.recorded_sha256.cache_clear()
+        raw_mod.read_npz.cache_clear()

@@ -100,8 +100,11 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=1)
 def recorded_sha256() -> dict[str, str]:
-    """``{filename: hex SHA-256}`` of every vendored file, read from :data:`SUMS_FILE`."""
+    """``{filename: hex SHA-256}`` of every vendored file, read from :data:`SUMS_FILE` (empty
+    when that file is missing: every read of a vendored file then fails, naming it)."""
     sums: dict[str, str] = {}
+    if not SUMS_FILE.is_file():
+        return sums
     for line in SUMS_FILE.read_text().splitlines():
         if line.strip():
             digest, name = line.split(maxsplit=1)
@@ -132,8 +135,9 @@ def verify_file(path: Path, dataset: str) -> None:
     expected = recorded_sha256().get(path.name)
     if expected is None:
         raise CorruptDataError(
-            f"{dataset}: no SHA-256 recorded for {path.name} in {SUMS_FILE}; "
-            "run `python scripts/build_datasets.py --stage sums` after adding a file"
+            f"{dataset}: no SHA-256 recorded for {path.name} in {SUMS_FILE}"
+            f"{'' if SUMS_FILE.is_file() else ' (the file is missing)'}; {REBUILD_HINT} "
+            "(`python scripts/build_datasets.py --stage sums` records the files as they are)"
         )
     if not path.is_file():
         raise CorruptDataError(f"{dataset}: bundled file {path} is missing; {REBUILD_HINT}")

@@ -323,3 +323,61 @@ def test_factory_and_argument_errors():
         compat.Laplace(model, "classification", "all", "diag").load_state_dict(la.state_dict())
     assert isinstance(la, compat.KronLaplace)
     assert type(compat.Laplace(model, "classification")) is compat.KronLLLaplace
+
+
+# ------------------------------------------------------------------------ function space
+
+
+@pytest.mark.parametrize("n_subset", [50, 30])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_functional_regression_predictive_equals_laplace_torch(subset, n_subset):
+    """Same subset of data (laplace-torch's sampler) and prior convention (n_subset / N)."""
+    lt = _original()
+    model, x, _, loader = _regression()
+    out = []
+    for lib in (lt, compat):
+        la = lib.Laplace(
+            model,
+            "regression",
+            subset,
+            "gp",
+            n_subset=n_subset,
+            sigma_noise=0.3,
+            prior_precision=2.0,
+        )
+        la.fit(loader)
+        out.append(la(x[:6]))
+    for ref, ours in zip(*out, strict=True):
+        _close(ours, ref, rtol=1e-8)
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_functional_is_exact_where_laplace_torch_is_not(subset):
+    """Multi-class: the full C x C likelihood Hessian, so the GP predictive and evidence equal
+    the weight-space full-GGN ones (laplace-torch keeps only the Hessian's diagonal)."""
+    model, x, _, loader = _classification()
+    la = compat.Laplace(model, "classification", subset, "gp", n_subset=60, prior_precision=0.5)
+    la.fit(loader)
+    ref = gs.Laplace(model, "classification", "full", subset, prior_precision=0.5).fit(loader)
+    pred = ref.predict(x[:5])
+    _close(la._moments(x[:5], False)[1], pred.f_cov, rtol=1e-8)
+    kappa = 1 / torch.sqrt(1 + math.pi / 8 * pred.f_var)
+    _close(la(x[:5]), torch.softmax(kappa * pred.f_mean, -1), rtol=1e-8)
+    _close(la.log_marginal_likelihood(), ref.log_marginal_likelihood(), rtol=1e-8)
+    if _laplace_torch is not None:  # and laplace-torch's variance is not that one
+        lt_la = _laplace_torch.Laplace(
+            model, "classification", subset, "gp", n_subset=60, prior_precision=0.5
+        )
+        lt_la.fit(loader)
+        lt_var = lt_la._glm_predictive_distribution(x[:5])[1]
+        assert (lt_var - pred.f_cov).abs().max() > 0.1
+
+
+def test_functional_regression_evidence_equals_weight_space_full():
+    model, _, _, loader = _regression()
+    la = compat.Laplace(model, "regression", "all", "gp", n_subset=50, sigma_noise=0.3)
+    la.fit(loader)
+    ref = gs.Laplace(model, "regression", "full", "all", sigma_noise=0.3).fit(loader)
+    _close(la.log_marginal_likelihood(), ref.log_marginal_likelihood(), rtol=1e-8)
+    with pytest.raises(ValueError, match="prior_precision: FunctionalLaplace supports only"):
+        la.prior_precision = torch.ones(3)

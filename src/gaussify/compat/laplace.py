@@ -464,6 +464,15 @@ class ParametricLaplace:
 
     optimize_prior_precision = optimize_prior_precision
 
+    def _tune_marglik(self, granularity: str, n_steps: int, lr: float) -> None:
+        """Adam on the log prior from the current value (gaussify's engine, closed form in
+        the curvature's eigenbasis where the structure allows it)."""
+        engine = self._push()
+        engine.optimize_prior(
+            method="gradient", granularity=granularity, tune_noise=False, n_steps=n_steps, lr=lr
+        )
+        self.prior_precision = engine.prior_precision.detach().reshape(-1).clone()
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         self._require_fit()
@@ -585,7 +594,8 @@ def Laplace(
     **kwargs: Any,
 ) -> Any:
     """The Laplace class for (``subset_of_weights``, ``hessian_structure``), as laplace-torch's
-    factory: "all" / "last_layer" / "subnetwork" x "full" / "kron" / "diag" / "lowrank"."""
+    factory: "all" / "last_layer" / "subnetwork" x "full" / "kron" / "diag" / "lowrank", and "gp"
+    (function space, :mod:`gaussify.compat.laplace_functional`)."""
     subset = option(subset_of_weights, SubsetOfWeights, "subset_of_weights")
     structure = option(hessian_structure, HessianStructure, "hessian_structure")
     approx = option(functional_approximation, FunctionalApproximation, "functional_approximation")
@@ -594,10 +604,16 @@ def Laplace(
             f"hessian_structure: subnetwork Laplace needs 'full' or 'diag', got {structure!r}"
         )
     if structure == "gp":
-        raise ValueError(
-            "hessian_structure: 'gp' (function-space Laplace) is not in gaussify.compat yet; "
-            "use gaussify.FunctionalLaplace (see docs/migrating.md)"
-        )
+        if approx != "sod" or subset == "subnetwork":
+            raise ValueError(
+                "functional_approximation: gaussify.compat supports 'sod' (subset of data) "
+                "with subset_of_weights 'all' or 'last_layer'; for Nystrom or variational "
+                "function-space Laplace use gaussify.ELLA or gaussify.VaLLA"
+            )
+        from gaussify.compat.laplace_functional import FunctionalLaplace, FunctionalLLLaplace
+
+        cls = FunctionalLaplace if subset == "all" else FunctionalLLLaplace
+        return cls(model, likelihood, *args, **kwargs)
     if approx != "sod":
         raise ValueError("functional_approximation: needs hessian_structure='gp'")
     key = (subset, structure)

@@ -124,11 +124,7 @@ def optimize_prior_precision(
             init = init.expand(size).clone()
         self.prior_precision = init  # validates the length (kron: scalar or per layer)
         granularity = {1: "scalar", self.n_layers: "layer", self.n_params: "diag"}[len(init)]
-        engine = self._push()
-        engine.optimize_prior(
-            method="gradient", granularity=granularity, tune_noise=False, n_steps=n_steps, lr=lr
-        )
-        self.prior_precision = engine.prior_precision.detach().reshape(-1).clone()
+        self._tune_marglik(granularity, n_steps, lr)
     else:
         if val_loader is None:
             raise ValueError("val_loader: method='gridsearch' needs a validation DataLoader")

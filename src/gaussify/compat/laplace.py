@@ -54,6 +54,7 @@ __all__ = [
     "Laplace",
     "LowRankLaplace",
     "ParametricLaplace",
+    "marglik_training",
 ]
 
 
@@ -623,3 +624,6 @@ def Laplace(
             f"{subset!r}; available: {sorted(_CLASSES)}"
         )
     return _CLASSES[key](model, likelihood, *args, **kwargs)
+
+
+from gaussify.compat.laplace_marglik import marglik_training  # noqa: E402 (uses Laplace above)

@@ -271,7 +271,7 @@ def test_evidence_is_laplace_torch_formula_from_dense_posterior():
 
 def test_bridge_link_closed_form():
     """Laplace bridge after the zero-sum projection, on a hand-made Gaussian."""
-    from gaussify.compat.laplace_links import apply_link
+    from gaussify.compat.laplace.links import apply_link
 
     mu = torch.tensor([[0.5, -1.0, 2.0]])
     cov = torch.tensor([[[1.0, 0.2, 0.0], [0.2, 2.0, 0.1], [0.0, 0.1, 0.5]]])
@@ -432,3 +432,83 @@ def test_marglik_training_returns_the_best_evidence_refit():
     ends = out["margliks"].reshape(-1, 5)[:, -1]  # the last hyperstep of each update
     _close(out["lml"], -ends.min(), rtol=1e-10)
     assert out["losses"].shape == (6,) and out["prior"].shape == (4,)
+
+
+# ------------------------------------------------------------------------ scripts, import changed
+
+SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from laplace import Laplace, DiagLaplace
+from laplace.curvature import BackPackGGN, CurvlinopsEF
+from laplace.utils import LargestMagnitudeSubnetMask, LargestVarianceDiagLaplaceSubnetMask
+from laplace.utils import ModuleNameSubnetMask, RandomSubnetMask
+
+torch.manual_seed(0)
+x, y = torch.randn(60, 4), torch.randint(0, 3, (60,))
+model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+train_loader = DataLoader(TensorDataset(x, y), batch_size=20)
+val_loader = DataLoader(TensorDataset(x[:30], y[:30]), batch_size=10)
+out = {}
+
+# README: diag over all weights, grid search on a validation set, probit predictive
+la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="diag")
+la.fit(train_loader)
+la.optimize_prior_precision(
+    method="gridsearch", pred_type="glm", link_approx="probit", val_loader=val_loader,
+    grid_size=12,
+)
+out["readme"] = la(x[:5], pred_type="glm", link_approx="probit")
+out["readme_prior"] = la.prior_precision
+
+# empirical Fisher by its backend, kron last layer, marglik
+la = Laplace(model, "classification", "last_layer", "kron", backend=CurvlinopsEF)
+la.fit(train_loader)
+la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
+out["ef"] = la(x[:5], link_approx="probit")
+out["ef_prior"] = la.prior_precision
+
+# subnetworks
+indices = {
+    "magnitude": LargestMagnitudeSubnetMask(model, n_params_subnet=10).select(),
+    "module": ModuleNameSubnetMask(model, ["2"]).select(train_loader),
+}
+torch.manual_seed(3)
+indices["random"] = RandomSubnetMask(model, n_params_subnet=7).select()
+diag = DiagLaplace(model, "classification", prior_precision=2.0)
+indices["variance"] = LargestVarianceDiagLaplaceSubnetMask(model, 9, diag).select(train_loader)
+for key, idx in indices.items():
+    out["idx_" + key] = idx
+la = Laplace(model, "classification", subset_of_weights="subnetwork",
+             hessian_structure="full", subnetwork_indices=indices["variance"],
+             backend=BackPackGGN)
+la.fit(train_loader)
+out["subnet"] = la(x[:5], link_approx="bridge_norm")
+out["subnet_lml"] = la.log_marginal_likelihood().detach()
+"""
+
+
+def _run_script(text):
+    namespace: dict = {}
+    exec(compile(text, "<migrated script>", "exec"), namespace)
+    return namespace["out"]
+
+
+def _migrated(text):
+    return text.replace("from laplace", "from gaussify.compat.laplace")
+
+
+def test_script_with_only_the_import_changed_equals_laplace_torch():
+    _original()
+    ref, ours = _run_script(SCRIPT), _run_script(_migrated(SCRIPT))
+    assert ref.keys() == ours.keys()
+    for key in ref:
+        _close(torch.as_tensor(ours[key]).double(), torch.as_tensor(ref[key]).double())
+
+
+def test_migrated_script_runs_without_laplace_torch():
+    out = _run_script(_migrated(SCRIPT))
+    assert out["idx_module"].tolist() == list(range(30, 51))  # the last Linear: 18 + 3 weights
+    assert len(out["idx_variance"]) == 9 and out["subnet"].shape == (5, 3)
+    _close(out["readme"].sum(-1), torch.ones(5), rtol=1e-12)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gaussify.compat.laplace_enums import HessianStructure, Likelihood, PriorStructure, option
+from gaussify.compat.laplace.enums import HessianStructure, Likelihood, PriorStructure, option
+from gaussify.compat.laplace.parametric import Laplace
 
 __all__ = ["marglik_training"]
 
@@ -65,8 +66,6 @@ def marglik_training(
     """Train ``model`` and its prior precision (and noise) by the Laplace evidence; returns
     the Laplace at the best epoch, the model restored there, the negative log evidences and
     the epoch losses (module docstring)."""
-    from gaussify.compat.laplace import Laplace
-
     likelihood = option(likelihood, Likelihood, "likelihood")
     structure = option(hessian_structure, HessianStructure, "hessian_structure")
     prior_kind = option(prior_structure, PriorStructure, "prior_structure")

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from gaussify.compat.laplace_enums import LinkApprox, PredType, option
-from gaussify.compat.laplace_links import apply_link, normal_draws
-from gaussify.compat.laplace_tuning import optimize_prior_precision as _optimize
+from gaussify.compat.laplace.enums import LinkApprox, PredType, option
+from gaussify.compat.laplace.links import apply_link, normal_draws
+from gaussify.compat.laplace.tuning import optimize_prior_precision as _optimize
 from gaussify.function_space.gp import FunctionalLaplace as _Engine
 
 __all__ = ["FunctionalLLLaplace", "FunctionalLaplace"]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gaussify.compat.laplace_enums import PredType, PriorStructure, TuningMethod, option
+from gaussify.compat.laplace.enums import PredType, PriorStructure, TuningMethod, option
 
 __all__ = ["RunningMSE", "RunningNLL", "optimize_prior_precision"]
 

@@ -18,7 +18,8 @@ built with laplace-torch's conventions so that its numbers do not move:
 
 ``backend``, ``backend_kwargs`` and ``asdl_fisher_kwargs`` are accepted and replaced by
 gaussify's engine (its curvature is the exact GGN or KFAC whatever laplace-torch backend is
-named); an empirical-Fisher backend (a class whose name contains "EF") selects ``ef=True``.
+named, see :mod:`gaussify.compat.laplace.curvature`); an empirical-Fisher backend (a class
+whose name contains "EF") selects ``ef=True``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gaussify.compat.laplace_enums import (
+from gaussify.compat.laplace.enums import (
     FunctionalApproximation,
     HessianStructure,
     LinkApprox,
@@ -38,8 +39,8 @@ from gaussify.compat.laplace_enums import (
     SubsetOfWeights,
     option,
 )
-from gaussify.compat.laplace_links import apply_link, normal_draws
-from gaussify.compat.laplace_tuning import optimize_prior_precision
+from gaussify.compat.laplace.links import apply_link, normal_draws
+from gaussify.compat.laplace.tuning import optimize_prior_precision
 from gaussify.weight_space.laplace import Laplace as _Engine
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "Laplace",
     "LowRankLaplace",
     "ParametricLaplace",
-    "marglik_training",
 ]
 
 
@@ -596,7 +596,7 @@ def Laplace(
 ) -> Any:
     """The Laplace class for (``subset_of_weights``, ``hessian_structure``), as laplace-torch's
     factory: "all" / "last_layer" / "subnetwork" x "full" / "kron" / "diag" / "lowrank", and "gp"
-    (function space, :mod:`gaussify.compat.laplace_functional`)."""
+    (function space, :mod:`gaussify.compat.laplace.functional`)."""
     subset = option(subset_of_weights, SubsetOfWeights, "subset_of_weights")
     structure = option(hessian_structure, HessianStructure, "hessian_structure")
     approx = option(functional_approximation, FunctionalApproximation, "functional_approximation")
@@ -611,7 +611,7 @@ def Laplace(
                 "with subset_of_weights 'all' or 'last_layer'; for Nystrom or variational "
                 "function-space Laplace use gaussify.ELLA or gaussify.VaLLA"
             )
-        from gaussify.compat.laplace_functional import FunctionalLaplace, FunctionalLLLaplace
+        from gaussify.compat.laplace.functional import FunctionalLaplace, FunctionalLLLaplace
 
         cls = FunctionalLaplace if subset == "all" else FunctionalLLLaplace
         return cls(model, likelihood, *args, **kwargs)
@@ -624,6 +624,3 @@ def Laplace(
             f"{subset!r}; available: {sorted(_CLASSES)}"
         )
     return _CLASSES[key](model, likelihood, *args, **kwargs)
-
-
-from gaussify.compat.laplace_marglik import marglik_training  # noqa: E402 (uses Laplace above)

@@ -512,3 +512,26 @@ def test_migrated_script_runs_without_laplace_torch():
     assert out["idx_module"].tolist() == list(range(30, 51))  # the last Linear: 18 + 3 weights
     assert len(out["idx_variance"]) == 9 and out["subnet"].shape == (5, 3)
     _close(out["readme"].sum(-1), torch.ones(5), rtol=1e-12)
+
+
+def test_tuning_after_the_readme_adam_loop_works():
+    """laplace-torch keeps the autograd graph of sigma_noise after the README loop, so a later
+    optimize_prior_precision raises 'backward through the graph a second time'; here the
+    engine sees detached values, and the result equals tuning with the noise set by hand."""
+    model, x, _, loader = _regression()
+    la = compat.Laplace(model, "regression", "all", "full")
+    la.fit(loader)
+    log_prior, log_sigma = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
+    opt = torch.optim.Adam([log_prior, log_sigma], lr=1e-1)
+    for _ in range(5):
+        opt.zero_grad()
+        (-la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())).backward()
+        opt.step()
+    assert la.sigma_noise.requires_grad  # laplace-torch's behaviour: the last value, graph kept
+    sigma = float(la.sigma_noise)
+    la.optimize_prior_precision(method="marglik", n_steps=20)
+    ref = compat.Laplace(model, "regression", "all", "full", sigma_noise=sigma)
+    ref.fit(loader)
+    ref.optimize_prior_precision(method="marglik", n_steps=20)
+    _close(la.prior_precision, ref.prior_precision, rtol=1e-10)
+    _close(la(x[:3])[1], ref(x[:3])[1], rtol=1e-10)

@@ -43,6 +43,18 @@ class Normal(distributions.Normal):
         return torch.diag_embed(self.var)
 
     @property
+    def chol_covariance(self) -> Tensor:
+        return torch.diag_embed(self.scale)
+
+    @property
+    def precision(self) -> Tensor:
+        return torch.diag_embed(1 / self.var)
+
+    @property
+    def trace_covariance(self) -> Tensor:
+        return self.var.sum(-1)
+
+    @property
     def trace_precision(self) -> Tensor:
         return (1 / self.var).sum(-1)
 
@@ -129,6 +141,13 @@ class Rows:
         if self.kind == "dense":
             return tril @ tril.mT
         return torch.linalg.inv(tril @ tril.mT)
+
+    @property
+    def chol_covariance(self) -> Tensor:
+        """Lower Cholesky factor of ``S_k`` (out, D, D)."""
+        if self.kind == "dense":
+            return self._tril()
+        return torch.linalg.cholesky(self.covariance)
 
     @property
     def trace_covariance(self) -> Tensor:

@@ -162,7 +162,7 @@ class ParametricLaplace:
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        if not isinstance(value, Tensor | float | int) or isinstance(value, bool):
+        if isinstance(value, str | bool) or value is None:
             raise ValueError(
                 f"prior_precision: expected a number or a tensor, got {type(value).__name__}"
             )

@@ -535,3 +535,28 @@ def test_tuning_after_the_readme_adam_loop_works():
     ref.optimize_prior_precision(method="marglik", n_steps=20)
     _close(la.prior_precision, ref.prior_precision, rtol=1e-10)
     _close(la(x[:3])[1], ref(x[:3])[1], rtol=1e-10)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_incremental_fit_and_loss_equal_laplace_torch(structure):
+    """fit(override=False) on a second loader adds to the first fit (laplace-torch's online
+    Laplace), and the summed training loss ``la.loss`` is laplace-torch's."""
+    lt = _original()
+    model, x, y, _ = _classification()
+    first = DataLoader(TensorDataset(x[:20], y[:20]), batch_size=10)
+    second = DataLoader(TensorDataset(x[20:], y[20:]), batch_size=10)
+    out = []
+    for lib in (lt, compat):
+        la = lib.Laplace(model, "classification", "all", structure, temperature=0.5)
+        la.fit(first)
+        la.fit(second, override=False)
+        out.append((la.log_marginal_likelihood().detach(), la(x[:4]), la.n_data, la.loss))
+    for ref, ours in zip(*out, strict=True):
+        _close(torch.as_tensor(ours).double(), torch.as_tensor(ref).double())
+    model, _, _, loader = _regression()
+    losses = []
+    for lib in (lt, compat):
+        la = lib.Laplace(model, "regression", "all", structure, sigma_noise=0.4, temperature=2.0)
+        la.fit(loader)
+        losses.append(torch.as_tensor(la.loss).double())
+    _close(losses[1], losses[0])

@@ -320,6 +320,19 @@ class ParametricLaplace:
         """The (tempered) training log-likelihood at the MAP."""
         return self.log_marginal_likelihood() + 0.5 * (self.log_det_ratio + self.scatter)
 
+    @property
+    def loss(self) -> Tensor:
+        """The summed training loss at the MAP: cross-entropy, or half the sum of squared
+        errors for regression (laplace-torch's ``loss``)."""
+        with torch.no_grad():
+            log_lik = self.log_likelihood
+            if self.likelihood != "regression":
+                return -log_lik * self.temperature
+            sigma = self._sigma.detach()
+            count = self.n_data * self.n_outputs
+            normaliser = count * (sigma.log() + 0.5 * math.log(2 * math.pi))
+            return -(log_lik + normaliser) * sigma.square() * self.temperature
+
     def square_norm(self, value: Tensor) -> Tensor:
         delta = value - self._engine.mean
         return delta @ self._push().posterior.matvec(delta)

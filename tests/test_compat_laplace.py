@@ -560,3 +560,25 @@ def test_incremental_fit_and_loss_equal_laplace_torch(structure):
         la.fit(loader)
         losses.append(torch.as_tensor(la.loss).double())
     _close(losses[1], losses[0])
+
+
+@pytest.mark.parametrize(("subset", "structure"), [("all", "kron"), ("last_layer", "full")])
+def test_multioutput_regression_input_gradients_equal_laplace_torch(subset, structure):
+    """Two outputs, ``enable_backprop=True``: predictive moments and their gradient in x."""
+    lt = _original()
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 3), torch.randn(40, 2)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    loader = DataLoader(TensorDataset(x, y), batch_size=10)
+    out = []
+    for lib in (lt, compat):
+        la = lib.Laplace(
+            model, "regression", subset, structure, sigma_noise=0.7, enable_backprop=True
+        )
+        la.fit(loader)
+        xs = x[:3].clone().requires_grad_()
+        mean, cov = la(xs)
+        (mean.sum() + cov.sum()).backward()
+        out.append((mean.detach(), cov.detach(), xs.grad, la.log_marginal_likelihood().detach()))
+    for ref, ours in zip(*out, strict=True):
+        _close(ours, ref)

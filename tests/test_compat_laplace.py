@@ -227,7 +227,7 @@ def test_subnetwork_and_state_dict_equal_laplace_torch():
 # ------------------------------------------------------------------------ without laplace-torch
 
 
-@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+@pytest.mark.parametrize("structure", ["full", "kron", "diag", "lowrank"])
 def test_compat_equals_engine_with_laplace_torch_conventions(structure):
     model, x, _, loader = _classification()
     la = compat.Laplace(model, "classification", "all", structure, prior_precision=0.7)

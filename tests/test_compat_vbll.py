@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gaussify.compat import vbll as compat
-from gaussify.compat.vbll_rows import Rows
+from gaussify.compat.vbll.rows import Rows
 
 try:
     import vbll as _vbll

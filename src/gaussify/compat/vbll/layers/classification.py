@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, distributions, nn
 
-from gaussify.compat.vbll_regression import VBLLReturn, _rows, _rows_parameters
-from gaussify.compat.vbll_rows import (
+from gaussify.compat.vbll.layers.regression import VBLLReturn, _rows, _rows_parameters
+from gaussify.compat.vbll.rows import (
     Normal,
     Rows,
     check_parameterization,

@@ -10,16 +10,21 @@ prior variance instead), registers vbll's parameter names (``W_mean``, ``W_logdi
 vbll ``state_dict`` loads with ``load_state_dict``, and its ``forward`` returns a
 :class:`VBLLReturn` with ``.predictive`` (a torch distribution), ``.train_loss_fn(y)``,
 ``.val_loss_fn(y)`` and ``.ood_scores``, equal to vbll's for the same parameters and random
-draws (tests/test_compat_vbll.py).
+draws (tests/test_compat_vbll.py). Modules mirror vbll's: :mod:`.layers` (``regression``,
+``classification``) and :mod:`.rows` (q(W) for vbll's parameterizations).
 """
 
-from gaussify.compat.vbll_classification import (
+from gaussify.compat.vbll import layers
+from gaussify.compat.vbll.layers import (
     DiscClassification,
     GenClassification,
     HetClassification,
+    HetRegression,
+    Regression,
+    VBLLReturn,
     tDiscClassification,
+    tRegression,
 )
-from gaussify.compat.vbll_regression import HetRegression, Regression, VBLLReturn, tRegression
 
 __all__ = [
     "DiscClassification",
@@ -28,6 +33,7 @@ __all__ = [
     "HetRegression",
     "Regression",
     "VBLLReturn",
+    "layers",
     "tDiscClassification",
     "tRegression",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, distributions, nn
 
-from gaussify.compat.vbll_rows import (
+from gaussify.compat.vbll.rows import (
     Normal,
     Rows,
     check_parameterization,

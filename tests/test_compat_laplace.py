@@ -582,3 +582,32 @@ def test_multioutput_regression_input_gradients_equal_laplace_torch(subset, stru
         out.append((mean.detach(), cov.detach(), xs.grad, la.log_marginal_likelihood().detach()))
     for ref, ours in zip(*out, strict=True):
         _close(ours, ref)
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_posterior_attributes_equal_laplace_torch(structure):
+    """H, posterior_precision / _scale / _variance, log_prob and square_norm."""
+    lt = _original()
+    model, _, _, loader = _classification()
+    out = []
+    for lib in (lt, compat):
+        la = lib.Laplace(model, "classification", "all", structure, prior_precision=0.3)
+        la.fit(loader)
+        value = la.mean + 0.1 * torch.linspace(-1, 1, la.n_params)
+        prec = la.posterior_precision
+        attrs = {
+            "precision": prec.to_matrix() if structure == "kron" else prec,
+            "log_prob": la.log_prob(value),
+            "log_prob_unnormalized": la.log_prob(value, normalized=False),
+            "prior_diag": la.prior_precision_diag,
+            "log_det_ratio": la.log_det_ratio,
+        }
+        if structure != "kron":
+            attrs["H"] = la.H
+            attrs["scale"] = la.posterior_scale
+        if structure == "diag":
+            attrs["variance"] = la.posterior_variance
+        if structure == "full":
+            attrs["covariance"] = la.posterior_covariance
+        out.append({k: torch.as_tensor(v).detach() for k, v in attrs.items()})
+    _assert_same(out[0], out[1])

@@ -335,7 +335,12 @@ class ParametricLaplace:
 
     def square_norm(self, value: Tensor) -> Tensor:
         delta = value - self._engine.mean
-        return delta @ self._push().posterior.matvec(delta)
+        post = self._push().posterior
+        if self._key[1] == "diag":
+            return (delta.square() / post.covariance_diag()).sum()
+        if hasattr(post, "matvec"):
+            return delta @ post.matvec(delta)
+        return delta @ post.precision_dense() @ delta
 
     def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
         """log N(value; mean, P^-1) (or only its quadratic term when not ``normalized``)."""
@@ -350,7 +355,7 @@ class ParametricLaplace:
         """Full: (P, P); diag: the (P,) diagonal; kron: a structured view (``to_matrix()``)."""
         post = self._push().posterior
         if self._key[1] == "diag":
-            return post.precision_dense().diagonal()
+            return 1 / post.covariance_diag()
         if self._key[1] == "kron":
             return _KronPrecision(post)
         return post.precision_dense()
@@ -373,9 +378,11 @@ class ParametricLaplace:
     @property
     def H(self) -> Tensor:
         """The fitted curvature at sigma = 1, T = 1: (P, P), or (P,) for the diagonal."""
+        prior = self.prior_precision_diag.detach()
+        if self._key[1] == "diag":
+            return (1 / self._push().posterior.covariance_diag() - prior) / self._H_factor.detach()
         prec = self._push().posterior.precision_dense()
-        ggn = (prec - torch.diag(self.prior_precision_diag.detach())) / self._H_factor.detach()
-        return ggn.diagonal() if self._key[1] == "diag" else ggn
+        return (prec - torch.diag(prior)) / self._H_factor.detach()
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """J P^-1 J^T per input: (N, C, C) from Jacobians (N, C, P)."""

@@ -611,3 +611,30 @@ def test_posterior_attributes_equal_laplace_torch(structure):
             attrs["covariance"] = la.posterior_covariance
         out.append({k: torch.as_tensor(v).detach() for k, v in attrs.items()})
     _assert_same(out[0], out[1])
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_prior_mean_layer_prior_and_temperature_equal_laplace_torch(structure):
+    lt = _original()
+    model, x, _, loader = _classification()
+    out = []
+    for lib in (lt, compat):
+        la = lib.Laplace(
+            model,
+            "classification",
+            "all",
+            structure,
+            prior_mean=torch.linspace(-0.2, 0.2, 51),
+            prior_precision=torch.linspace(0.5, 2.0, 4),
+            temperature=0.3,
+        )
+        la.fit(loader)
+        out.append(
+            (
+                la.log_marginal_likelihood().detach(),
+                la(x[:4]),
+                la(x[:4], link_approx="mc", n_samples=5).shape,
+            )
+        )
+    for ref, ours in zip(*out, strict=True):
+        _close(torch.as_tensor(ours).double(), torch.as_tensor(ref).double())

@@ -65,6 +65,7 @@ __all__ = [
     "check_fingerprint",
     "check_weights",
     "model_fingerprint",
+    "require_task",
     "transaction",
     "transactional",
     "validate_state",
@@ -112,9 +113,9 @@ class TensorSpec:
         self._check_dtype(value)
         if self.shape is not None:
             self._check_shape(value, dims)
-        if value.is_floating_point() or value.is_complex():
-            if self.finite and not bool(torch.isfinite(value).all()):
-                raise _Problem("contains NaN or inf")
+        floating = value.is_floating_point() or value.is_complex()
+        if floating and self.finite and not bool(torch.isfinite(value).all()):
+            raise _Problem("contains NaN or inf")
         if self.positive and not bool((value > 0).all()):
             raise _Problem("expected values > 0")
         if self.nonnegative and not bool((value >= 0).all()):

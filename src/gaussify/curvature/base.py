@@ -60,7 +60,7 @@ from gaussify.likelihoods import (
     all_finite,
     get_likelihood,
 )
-from gaussify.state import Integer, TensorSpec, validate_state
+from gaussify.state import validate_state
 
 __all__ = [
     "Curvature",

@@ -56,6 +56,7 @@ __all__ = [
     "Flag",
     "Integer",
     "Maybe",
+    "NameGroups",
     "Names",
     "Nested",
     "Number",
@@ -63,7 +64,10 @@ __all__ = [
     "StateWarning",
     "TensorSpec",
     "check_fingerprint",
+    "check_network",
     "check_weights",
+    "identity",
+    "identity_schema",
     "model_fingerprint",
     "require_task",
     "transaction",
@@ -264,6 +268,25 @@ class Names:
 
 
 @dataclasses.dataclass(frozen=True)
+class NameGroups:
+    """A list of lists of names, each out of ``allowed`` (e.g. groups of parameter tensors);
+    binds the named size ``dim`` to the number of groups."""
+
+    allowed: tuple[str, ...]
+    dim: str | None = None
+
+    def check(self, value: Any, dims: dict[str, int]) -> list[list[str]]:
+        ok = isinstance(value, list | tuple) and all(
+            isinstance(g, list | tuple) and all(n in self.allowed for n in g) for g in value
+        )
+        if not ok:
+            raise _Problem(f"expected a list of lists of parameter names out of {self.allowed}")
+        if self.dim is not None:
+            Integer(0, self.dim).check(len(value), dims)
+        return [list(g) for g in value]
+
+
+@dataclasses.dataclass(frozen=True)
 class Nested:
     """A sub-state (a dict) with its own schema; its keys are reported as ``outer.inner``."""
 
@@ -355,8 +378,48 @@ def require_task(state: Mapping[str, Any], task: str, owner: str) -> None:
             f"{owner}.load_state_dict: the state has no 'task' entry (saved by an older "
             f"gaussify), so it cannot be verified that it was saved for a {task!r} posterior",
             StateWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def identity(task: str, subset: Sequence[str], model: nn.Module | None) -> dict[str, Any]:
+    """The identity entries a posterior's ``state_dict`` carries: its task, the parameter
+    tensors it covers and a fingerprint of the network's other weights."""
+    out: dict[str, Any] = {"task": task, "subset": list(subset)}
+    if model is not None:
+        out["model_fingerprint"] = model_fingerprint(model, exclude=subset)
+    return out
+
+
+def identity_schema(task: str, subset: Sequence[str]) -> dict[str, Any]:
+    """Schema of :func:`identity` (``task`` and the fingerprint optional: older states)."""
+    return {
+        "task": Maybe(Choice((task,), "the task of this posterior")),
+        "subset": Names(tuple(subset)),
+        "model_fingerprint": Maybe(TensorSpec((None, 3), None)),
+    }
+
+
+def check_network(
+    state: Mapping[str, Any],
+    valid: Mapping[str, Any],
+    *,
+    owner: str,
+    task: str,
+    model: nn.Module,
+    subset: Sequence[str],
+    current: Tensor | None = None,
+    strict: bool = True,
+) -> None:
+    """The checks of a validated state against the receiving model: the task (a warning for
+    an older state without one), theta* against ``current`` (the subset's weights now) and the
+    fingerprint of the other weights; see :func:`check_weights`."""
+    require_task(state, task, owner)
+    if current is not None and "theta_star" in valid:
+        check_weights(valid["theta_star"], current, owner=owner, strict=strict)
+    check_fingerprint(
+        valid.get("model_fingerprint"), model, owner=owner, exclude=subset, strict=strict
+    )
 
 
 # --------------------------------------------------------------------------- weights

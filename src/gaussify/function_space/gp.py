@@ -44,6 +44,18 @@ from gaussify.evidence import optimize_hyperparameters
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
 from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Maybe,
+    NameGroups,
+    StateError,
+    TensorSpec,
+    check_network,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 
 __all__ = [
     "FunctionalLaplace",
@@ -207,6 +219,7 @@ class FunctionalLaplace:
         return prior_t
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("FunctionalLaplace.fit")
     def fit(self, data: Batches, *, batch_size: int = 256) -> FunctionalLaplace:
         """Condition the GP on ``data`` (a DataLoader or an ``(x, y)`` pair) at the current
@@ -339,6 +352,7 @@ class FunctionalLaplace:
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -472,10 +486,11 @@ class FunctionalLaplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
         state: dict[str, Any] = {
-            "subset": list(self.subset.names),
+            **identity(self.task, self.subset.names, self.model),
             "prior_precision": self.prior_precision,
             "sigma_noise": self.sigma_noise,
             "theta_star": self.theta_star,
@@ -490,20 +505,58 @@ class FunctionalLaplace:
             state["components"] = self._components
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a posterior over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for {len(state['subset'])} parameter tensors "
-                f"{list(state['subset'])}; this posterior covers {list(self.subset.names)}"
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        names = tuple(self.subset.names)
+        return {
+            **identity_schema(self.task, names),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "x": TensorSpec(("N", ...), None),
+            "y": TensorSpec(("N", ...), None),
+            "f": TensorSpec(("N", "C"), dt),
+            "m": TensorSpec(("N", "C"), dt),
+            "num_data": Integer(1, dim="N"),
+            "groups": Maybe(NameGroups(names, dim="G")),
+            "components": Maybe(TensorSpec(("G", "N", "C", "N", "C"), dt)),
+        }
+
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a posterior over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state,
+            self._state_schema(),
+            owner="FunctionalLaplace",
+            dims={"P": self.subset.num_params},
+        )
+        if ("groups" in valid) != ("components" in valid):
+            raise StateError(
+                "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
+                "come together"
             )
-        self.prior_precision = state["prior_precision"]
-        self.sigma_noise = state["sigma_noise"]
-        self.theta_star = state["theta_star"]
-        self._x, self._y, self._f, self._m = state["x"], state["y"], state["f"], state["m"]
-        self.num_data = int(state["num_data"])
-        self._groups = [list(g) for g in state["groups"]] if "groups" in state else None
-        self._components = state.get("components")
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="FunctionalLaplace",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        self.prior_precision = self._validate_prior(valid["prior_precision"], valid["f"].dtype)
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star = valid["theta_star"].clone()
+        self._x, self._y, self._f, self._m = valid["x"], valid["y"], valid["f"], valid["m"]
+        self.num_data = valid["num_data"]
+        self._groups = valid.get("groups")
+        self._components = valid.get("components")
         self._direct = None
         self._sigma_fit = self.sigma_noise.clone()
         if self.task == "regression":

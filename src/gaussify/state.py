@@ -72,6 +72,7 @@ __all__ = [
     "require_task",
     "transaction",
     "transactional",
+    "validate_module_state",
     "validate_state",
 ]
 
@@ -420,6 +421,23 @@ def check_network(
     check_fingerprint(
         valid.get("model_fingerprint"), model, owner=owner, exclude=subset, strict=strict
     )
+
+
+def validate_module_state(
+    module: nn.Module, state: Any, *, strict: bool = True, owner: str | None = None
+) -> None:
+    """Check an ``nn.Module`` state dict as a whole before torch copies it in (torch copies
+    entry by entry and reports shape errors only after the others were overwritten): the
+    keys (all of them when ``strict``), each tensor's shape, floating vs integer entries and
+    NaN/inf in floating ones. Raises :class:`StateError`."""
+    schema: dict[str, Any] = {}
+    for key, value in module.state_dict().items():
+        dtype = "float" if value.is_floating_point() else None
+        spec = TensorSpec(tuple(value.shape), dtype)
+        schema[key] = spec if strict else Maybe(spec)
+    if not strict and isinstance(state, Mapping):
+        state = {k: v for k, v in state.items() if k in schema}
+    validate_state(state, schema, owner=owner or type(module).__name__)
 
 
 # --------------------------------------------------------------------------- weights

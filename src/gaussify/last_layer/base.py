@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.predictive import Predictive
+from gaussify.state import validate_module_state
 
 __all__ = [
     "VBLLHead",
@@ -90,6 +91,13 @@ class VBLLHead(nn.Module, ABC):
     """
 
     task: ClassVar[str]
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` after checking the whole state first (keys, shapes,
+        NaN/inf; :func:`gaussify.state.validate_module_state`), so that a bad state raises
+        one ``ValueError`` and leaves the head unchanged."""
+        validate_module_state(self, state_dict, strict=strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __init__(
         self,

@@ -214,6 +214,44 @@ def test_round_trip_through_weights_only_load_reproduces_the_posterior(name: str
     torch.testing.assert_close(fam.output(target), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.uses_model])
+def test_regression_round_trip_and_refusal_of_a_classification_state(name: str) -> None:
+    fam = FAMILIES[name]
+    source = _fitted(name, task="regression")
+    fam.output(source)  # warm the caches (full: the eigendecomposition from the 2nd request)
+    expected = fam.output(source)
+    state = _save_load(source.state_dict())
+    assert state["task"] == "regression"
+    target = fam.build(source.model, "regression")
+    target.load_state_dict(state)
+    fam.output(target)
+    torch.testing.assert_close(fam.output(target), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="'task': expected 'regression'"):
+        target.load_state_dict(_fitted(name).state_dict())
+    torch.testing.assert_close(fam.output(target), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["laplace-kron", "laplace-full", "functional", "ella", "ogg"])
+def test_float32_round_trip_and_a_float64_state_is_refused(name: str) -> None:
+    fam = FAMILIES[name]
+    model = _model(0).float()
+    source = fam.build(model, "classification")
+    x, y = _data(0)
+    fam.fit(source, (x.float(), y))
+    global XT
+    xt, XT = XT, XT.float()
+    try:
+        expected = fam.output(source)
+        target = fam.build(model, "classification")
+        target.load_state_dict(_save_load(source.state_dict()))
+        torch.testing.assert_close(fam.output(target), expected, rtol=0, atol=0)
+    finally:
+        XT = xt
+    wide = _fitted(name).state_dict()  # the same network in float64
+    with pytest.raises(ValueError, match=r"expected dtype torch\.float32, got torch\.float64"):
+        target.load_state_dict(wide)
+
+
 # --------------------------------------------------------------------------- corruptions
 def _corrupt(kind: str, state: dict[str, Any], key: str) -> tuple[dict[str, Any], str]:
     """(corrupted state, the key the error must name)."""

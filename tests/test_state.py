@@ -405,6 +405,14 @@ def test_vbll_head_refuses_nan_and_bad_shapes_before_copying_anything() -> None:
         head.load_state_dict(state)
     for k, v in head.state_dict().items():
         assert torch.equal(v, before[k]), k
+    # inside a larger model too (torch loads the head through its own loader)
+    net = nn.Sequential(nn.Linear(D, D).to(DT), head)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    state[f"1.{last}"] = torch.full_like(state[f"1.{last}"], float("inf"))
+    with pytest.raises(ValueError, match=repr(f"1.{last}")):
+        net.load_state_dict(state)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 # --------------------------------------------------------------------------- validate_state

@@ -79,8 +79,6 @@ __all__ = [
 #: Relative tolerance of the saved-weights checks (float32 round-off of a save/load cycle is 0).
 WEIGHT_RTOL = 1e-5
 
-Dim = int | str | None
-
 
 class StateError(ValueError, TypeError):
     """A state that cannot be loaded (wrong keys, task, structure, shapes, dtypes, values, or

@@ -252,6 +252,25 @@ def test_float32_round_trip_and_a_float64_state_is_refused(name: str) -> None:
         target.load_state_dict(wide)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_editing_a_saved_state_in_place_never_edits_the_posterior(name: str) -> None:
+    fam = FAMILIES[name]
+    obj = _fitted(name)
+    fam.output(obj)
+    before, out_before = _tensors(obj), fam.output(obj)
+
+    def spoil(value: Any) -> None:
+        if isinstance(value, Tensor) and value.is_floating_point():
+            value.fill_(float("nan"))
+        elif isinstance(value, dict):
+            for v in value.values():
+                spoil(v)
+
+    spoil(obj.state_dict())
+    _assert_same(before, _tensors(obj))
+    torch.testing.assert_close(fam.output(obj), out_before, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- corruptions
 def _corrupt(kind: str, state: dict[str, Any], key: str) -> tuple[dict[str, Any], str]:
     """(corrupted state, the key the error must name)."""
@@ -474,6 +493,14 @@ def test_a_nan_batch_in_the_middle_leaves_the_object_unchanged(name: str) -> Non
     with pytest.raises(ValueError):
         fam.fit(obj, FailingLoader(_data(2), 2, nan=True))
     _assert_same(before, _tensors(obj))
+
+
+def test_a_failed_fit_restores_the_network_train_mode() -> None:
+    la = _fitted("laplace-kron")
+    la.model.train()
+    with pytest.raises(RuntimeError):
+        la.fit(FailingLoader(_data(1), 2))
+    assert all(m.training for m in la.model.modules())
 
 
 def test_exact_last_layer_fit_that_raises_keeps_no_partial_posterior() -> None:

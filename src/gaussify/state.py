@@ -66,6 +66,7 @@ __all__ = [
     "check_fingerprint",
     "check_network",
     "check_weights",
+    "copy_state",
     "identity",
     "identity_schema",
     "model_fingerprint",
@@ -381,6 +382,26 @@ def require_task(state: Mapping[str, Any], task: str, owner: str) -> None:
         )
 
 
+def copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``state_dict`` that shares no memory with the live object: tensors detached and
+    cloned, nested dicts and lists copied (so editing a saved state never edits a posterior)."""
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            value = value.detach()
+            if value.numel() > 1 and all(st == 0 for st in value.stride()):
+                # a broadcast of one number stays one number (e.g. a scalar prior mean)
+                return value.reshape(-1)[:1].clone().expand(value.shape)
+            return value.clone()
+        if isinstance(value, Mapping):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [copy(v) for v in value]
+        return value
+
+    return {k: copy(v) for k, v in state.items()}
+
+
 def identity(task: str, subset: Sequence[str], model: nn.Module | None) -> dict[str, Any]:
     """The identity entries a posterior's ``state_dict`` carries: its task, the parameter
     tensors it covers and a fingerprint of the network's other weights."""
@@ -576,7 +597,8 @@ def transaction(
     """Run a block that mutates ``obj``; if it raises, restore ``obj`` exactly: its attribute
     dict (containers copied, other values by reference), the tensors named in ``clone``
     (copied back in place, so optimisers holding them stay valid), the states of its
-    ``torch.Generator`` attributes and, when given, ``model``'s parameters and buffers."""
+    ``torch.Generator`` attributes, the train/eval mode of its ``model`` attribute's modules
+    and, when given, ``model``'s parameters and buffers."""
     attrs = vars(obj)
     saved = {k: _copy_container(v) for k, v in attrs.items()}
     generators = {k: v.get_state() for k, v in attrs.items() if isinstance(v, torch.Generator)}
@@ -588,6 +610,8 @@ def transaction(
         if model is None
         else [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]]
     )
+    network = attrs.get("model")
+    modes = [(m, m.training) for m in network.modules()] if isinstance(network, nn.Module) else []
     try:
         yield
     except BaseException:
@@ -600,6 +624,8 @@ def transaction(
                 tensor.copy_(copy)
         for key, gen_state in generators.items():
             saved[key].set_state(gen_state)
+        for module, training in modes:
+            module.training = training
         raise
 
 

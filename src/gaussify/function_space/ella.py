@@ -49,6 +49,7 @@ from gaussify.state import (
     Nested,
     TensorSpec,
     check_network,
+    copy_state,
     identity,
     identity_schema,
     transactional,
@@ -431,17 +432,19 @@ class ELLA:
         """The fitted state with its identity (task, subset, fingerprint of the network's
         other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
-        return {
-            **identity(self.task, self.subset.names, self.model),
-            "landmarks": self._z,
-            "projection": self._proj,
-            "prior_fit": self._prior_fit,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "theta_star": self.theta_star,
-            "num_data": self.num_data,
-            "stats": dict(self._stats),
-        }
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "landmarks": self._z,
+                "projection": self._proj,
+                "prior_fit": self._prior_fit,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "theta_star": self.theta_star,
+                "num_data": self.num_data,
+                "stats": dict(self._stats),
+            }
+        )
 
     def _state_schema(self) -> dict[str, Any]:
         dt = self.prior_precision.dtype

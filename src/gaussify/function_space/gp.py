@@ -51,6 +51,7 @@ from gaussify.state import (
     StateError,
     TensorSpec,
     check_network,
+    copy_state,
     identity,
     identity_schema,
     transactional,
@@ -503,7 +504,7 @@ class FunctionalLaplace:
         if self._components is not None and self._groups is not None:
             state["groups"] = [list(g) for g in self._groups]
             state["components"] = self._components
-        return state
+        return copy_state(state)
 
     def _state_schema(self) -> dict[str, Any]:
         dt = self.prior_precision.dtype
@@ -553,10 +554,12 @@ class FunctionalLaplace:
         self.prior_precision = self._validate_prior(valid["prior_precision"], valid["f"].dtype)
         self.sigma_noise = valid["sigma_noise"].clone()
         self.theta_star = valid["theta_star"].clone()
-        self._x, self._y, self._f, self._m = valid["x"], valid["y"], valid["f"], valid["m"]
+        self._x, self._y = valid["x"].clone(), valid["y"].clone()
+        self._f, self._m = valid["f"].clone(), valid["m"].clone()
         self.num_data = valid["num_data"]
         self._groups = valid.get("groups")
-        self._components = valid.get("components")
+        components = valid.get("components")
+        self._components = None if components is None else components.clone()
         self._direct = None
         self._sigma_fit = self.sigma_noise.clone()
         if self.task == "regression":

@@ -54,6 +54,7 @@ from gaussify.state import (
     Integer,
     TensorSpec,
     check_network,
+    copy_state,
     identity,
     identity_schema,
     transactional,
@@ -551,17 +552,19 @@ class SampledLLA:
         """Tensors and plain values (loadable with ``torch.load(..., weights_only=True)``),
         with the identity of the posterior (task, subset, fingerprint of the other weights)."""
         samples = self._require_fit()
-        return {
-            **identity(self.task, self.subset.names, self.model),
-            "samples": samples,
-            "theta_star": self.theta_star,
-            "delta0": self.delta0,
-            "linear_term": self.linear_term,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "num_data": self.num_data,
-            "seed": self.seed,
-        }
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "samples": samples,
+                "theta_star": self.theta_star,
+                "delta0": self.delta0,
+                "linear_term": self.linear_term,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "num_data": self.num_data,
+                "seed": self.seed,
+            }
+        )
 
     @transactional
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:

@@ -61,6 +61,7 @@ from gaussify.state import (
     StateError,
     TensorSpec,
     check_network,
+    copy_state,
     identity,
     identity_schema,
     transactional,
@@ -844,7 +845,7 @@ class VaLLA:
             num_data=self.num_data,
             alpha=self.alpha,
         )
-        return state
+        return copy_state(state)
 
     @transactional
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:

@@ -29,7 +29,15 @@ from gaussify.approx_likelihoods.pseudo_targets import check_labels
 from gaussify.batches import Batches, as_batches
 from gaussify.last_layer.exact import augment, check_features
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
-from gaussify.state import Choice, Integer, Maybe, TensorSpec, transactional, validate_state
+from gaussify.state import (
+    Choice,
+    Integer,
+    Maybe,
+    TensorSpec,
+    copy_state,
+    transactional,
+    validate_state,
+)
 
 __all__ = ["ADFLastLayer", "SGDLastLayer", "adf_moments"]
 
@@ -158,14 +166,16 @@ class ADFLastLayer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Posterior state (tensors and plain values)."""
-        return {
-            "task": self.task,
-            "mean": self.mean,
-            "covariance": self.covariance,
-            "num_data": self.num_data,
-            "num_damped": self.num_damped,
-        }
+        """Posterior state (tensors and plain values, copies)."""
+        return copy_state(
+            {
+                "task": self.task,
+                "mean": self.mean,
+                "covariance": self.covariance,
+                "num_data": self.num_data,
+                "num_damped": self.num_damped,
+            }
+        )
 
     @transactional
     def load_state_dict(self, state: dict[str, Any]) -> None:

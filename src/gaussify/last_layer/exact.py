@@ -50,6 +50,7 @@ from gaussify.state import (
     Maybe,
     Number,
     TensorSpec,
+    copy_state,
     transactional,
     validate_state,
 )
@@ -424,7 +425,7 @@ class ExactLastLayer:
                 quad=self._quad,
                 log_norm=self._log_norm,
             )
-        return state
+        return copy_state(state)
 
     def _state_schema(self) -> dict[str, Any]:
         d, k, dt = self.num_features, self.num_outputs, self.dtype

@@ -25,6 +25,7 @@ from gaussify.state import (
     TensorSpec,
     check_fingerprint,
     check_weights,
+    copy_state,
     model_fingerprint,
     require_task,
     validate_state,
@@ -59,7 +60,7 @@ def laplace_state_dict(la: Laplace) -> dict[str, Any]:
         state["sse"] = la._sse
     if la.subset.indices is not None:
         state["subset_indices"] = la.subset.indices
-    return state
+    return copy_state(state)
 
 
 def _schema(la: Laplace, curvature: Any) -> dict[str, Any]:

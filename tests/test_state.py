@@ -495,6 +495,16 @@ def test_a_nan_batch_in_the_middle_leaves_the_object_unchanged(name: str) -> Non
     _assert_same(before, _tensors(obj))
 
 
+def test_an_incremental_laplace_fit_that_raises_keeps_the_earlier_sums() -> None:
+    la = _fitted("laplace-kron")
+    before = _tensors(la)
+    with pytest.raises(RuntimeError):
+        la.fit(FailingLoader(_data(1), 2), reset=False)
+    _assert_same(before, _tensors(la))
+    la.fit(_data(1), reset=False)  # and a successful one still adds up
+    assert la.num_data == 2 * N
+
+
 def test_a_failed_fit_restores_the_network_train_mode() -> None:
     la = _fitted("laplace-kron")
     la.model.train()

@@ -37,6 +37,10 @@ from gaussify.curvature.lastlayer import (
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood, all_finite
 from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+)
 
 __all__ = [
     "CholeskyPrecision",
@@ -490,10 +494,13 @@ class FullGGN(GaussNewtonCurvature):
     def state_dict(self) -> dict[str, Tensor]:
         return {"ggn": self.ggn.clone(), "num_data": torch.tensor(self.num_data)}
 
+    def state_schema(self) -> dict[str, Any]:
+        return {"ggn": TensorSpec(("P", "P"), self.dtype), "num_data": Integer()}
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        p = self.num_params
-        self.ggn = self._check_state_tensor(state, "ggn", (p, p)).clone()
-        self._load_num_data(state)
+        valid = self._validated_state(state)
+        self.ggn = valid["ggn"].clone()
+        self.num_data = valid["num_data"]
         self._forget()
 
     def _eig_for_posterior(self) -> tuple[Tensor, Tensor] | None:

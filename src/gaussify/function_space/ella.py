@@ -46,6 +46,17 @@ from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Nested,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
 
@@ -195,6 +206,7 @@ class ELLA:
         return int(self._proj.shape[1])
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("ELLA.fit")
     @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
@@ -331,6 +343,7 @@ class ELLA:
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -431,32 +444,69 @@ class ELLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "landmarks": self._z,
+                "projection": self._proj,
+                "prior_fit": self._prior_fit,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "theta_star": self.theta_star,
+                "num_data": self.num_data,
+                "stats": dict(self._stats),
+            }
+        )
+
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        if self.task == "regression":
+            stats = {"gram": ("C", "R", "R"), "phi_e": ("C", "R"), "phi_m": ("C", "R")}
+            stats.update({k: ("C",) for k in ("em", "mm", "sse")})
+        else:
+            stats = {"gram": ("R", "R"), "s": ("R",), "log_lik": (), "rm": (), "mlm": ()}
         return {
-            "subset": list(self.subset.names),
-            "landmarks": self._z,
-            "projection": self._proj,
-            "prior_fit": self._prior_fit,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "theta_star": self.theta_star,
-            "num_data": self.num_data,
-            "stats": dict(self._stats),
+            **identity_schema(self.task, self.subset.names),
+            "landmarks": TensorSpec(("M", ...), None),
+            "projection": TensorSpec((None, "R"), dt),
+            "prior_fit": TensorSpec(None, dt, positive=True),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "num_data": Integer(1),
+            "stats": Nested({k: TensorSpec(shape, dt) for k, shape in stats.items()}),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into an ELLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for parameter tensors {list(state['subset'])}; this "
-                f"posterior covers {list(self.subset.names)}"
-            )
-        self._z, self._proj = state["landmarks"], state["projection"]
-        self._prior_fit = state["prior_fit"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.theta_star, self.num_data = state["theta_star"], int(state["num_data"])
-        self._stats = dict(state["stats"])
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into an ELLA over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state, self._state_schema(), owner="ELLA", dims={"P": self.subset.num_params}
+        )
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="ELLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        expand_prior(valid["prior_fit"], self.subset)  # the granularity fits this subset
+        self._z, self._proj = valid["landmarks"].clone(), valid["projection"].clone()
+        self._prior_fit = valid["prior_fit"].clone()
+        self.prior_precision = check_prior(valid["prior_precision"].clone())
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star, self.num_data = valid["theta_star"].clone(), valid["num_data"]
+        self._stats = {k: v.clone() for k, v in valid["stats"].items()}
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
         self._fitted = True

@@ -46,6 +46,19 @@ from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_li
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Maybe,
+    NameGroups,
+    StateError,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 
 __all__ = [
     "FunctionalLaplace",
@@ -210,6 +223,7 @@ class FunctionalLaplace:
         return prior_t
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("FunctionalLaplace.fit")
     @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> FunctionalLaplace:
@@ -354,6 +368,7 @@ class FunctionalLaplace:
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -489,10 +504,11 @@ class FunctionalLaplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
         state: dict[str, Any] = {
-            "subset": list(self.subset.names),
+            **identity(self.task, self.subset.names, self.model),
             "prior_precision": self.prior_precision,
             "sigma_noise": self.sigma_noise,
             "theta_star": self.theta_star,
@@ -505,22 +521,62 @@ class FunctionalLaplace:
         if self._components is not None and self._groups is not None:
             state["groups"] = [list(g) for g in self._groups]
             state["components"] = self._components
-        return state
+        return copy_state(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a posterior over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for {len(state['subset'])} parameter tensors "
-                f"{list(state['subset'])}; this posterior covers {list(self.subset.names)}"
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        names = tuple(self.subset.names)
+        return {
+            **identity_schema(self.task, names),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "x": TensorSpec(("N", ...), None),
+            "y": TensorSpec(("N", ...), None),
+            "f": TensorSpec(("N", "C"), dt),
+            "m": TensorSpec(("N", "C"), dt),
+            "num_data": Integer(1, dim="N"),
+            "groups": Maybe(NameGroups(names, dim="G")),
+            "components": Maybe(TensorSpec(("G", "N", "C", "N", "C"), dt)),
+        }
+
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a posterior over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state,
+            self._state_schema(),
+            owner="FunctionalLaplace",
+            dims={"P": self.subset.num_params},
+        )
+        if ("groups" in valid) != ("components" in valid):
+            raise StateError(
+                "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
+                "come together"
             )
-        self.prior_precision = state["prior_precision"]
-        self.sigma_noise = state["sigma_noise"]
-        self.theta_star = state["theta_star"]
-        self._x, self._y, self._f, self._m = state["x"], state["y"], state["f"], state["m"]
-        self.num_data = int(state["num_data"])
-        self._groups = [list(g) for g in state["groups"]] if "groups" in state else None
-        self._components = state.get("components")
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="FunctionalLaplace",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        self.prior_precision = self._validate_prior(valid["prior_precision"], valid["f"].dtype)
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star = valid["theta_star"].clone()
+        self._x, self._y = valid["x"].clone(), valid["y"].clone()
+        self._f, self._m = valid["f"].clone(), valid["m"].clone()
+        self.num_data = valid["num_data"]
+        self._groups = valid.get("groups")
+        components = valid.get("components")
+        self._components = None if components is None else components.clone()
         self._direct = None
         self._sigma_fit = self.sigma_noise.clone()
         if self.task == "regression":

@@ -66,7 +66,9 @@ from gaussify.predictive import (
     predictive_from_samples,
 )
 from gaussify.spectral import Spectrum, adam_maximize, build_spectrum
+from gaussify.state import transactional
 from gaussify.weight_space.joint import function_samples, joint_predictive
+from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
 
 __all__ = ["Laplace"]
 
@@ -235,6 +237,7 @@ class Laplace:
 
     # ------------------------------------------------------------------ fitting
 
+    @transactional
     @distributed.collective("Laplace.fit")
     @in_eval_mode
     def fit(
@@ -443,6 +446,7 @@ class Laplace:
         f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
         return f + offset, offset, None
 
+    @transactional
     @distributed.collective("Laplace.refine")
     @in_eval_mode
     def refine(
@@ -675,6 +679,7 @@ class Laplace:
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -928,59 +933,18 @@ class Laplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to restore the fitted posterior (tensors and plain values, so
-        ``torch.load(..., weights_only=True)`` can read it)."""
+        """Everything needed to restore the fitted posterior, with the task, structure,
+        subset, theta* and a fingerprint of the network it belongs to (tensors and plain
+        values: ``torch.load(..., weights_only=True)`` reads it)."""
         self._require_fit()
-        state: dict[str, Any] = {
-            "structure": self.structure,
-            "subset": list(self.subset.names),
-            "mean": self.mean,
-            "theta_star": self.theta_star,
-            "prior_precision": self.prior_precision,
-            "prior_mean": self.prior_mean,
-            "sigma_noise": self.sigma_noise,
-            "sigma_fit": self._sigma_fit,
-            "temperature": self.temperature,
-            "num_data": self.num_data,
-            "log_lik": self._log_lik,
-            "grad": self._grad,
-            "curvature": self._curvature.state_dict(),
-        }
-        if self._sse is not None:
-            state["sse"] = self._sse
-        if self.subset.indices is not None:
-            state["subset_indices"] = self.subset.indices
-        return state
+        return laplace_state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a Laplace over the same model."""
-        mine, theirs = self.subset.indices, state.get("subset_indices")
-        if (mine is None) != (theirs is None) or (
-            mine is not None and not torch.equal(mine, torch.as_tensor(theirs))
-        ):
-            raise ValueError(
-                "state: was saved for a different subnetwork of individual weights "
-                f"({0 if theirs is None else len(theirs)} selected, this posterior has "
-                f"{0 if mine is None else len(mine)}; 0 = whole tensors)"
-            )
-        if state["structure"] != self.structure or list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                "state: was saved for structure "
-                f"{state['structure']!r} over {len(state['subset'])} parameter tensors; this "
-                f"posterior is {self.structure!r} over {len(self.subset.names)}"
-            )
-        curvature = make_curvature(
-            self.structure, self.model, self.likelihood, self.subset, **self.curvature_options
-        )
-        curvature.load_state_dict(state["curvature"])
-        self._curvature = curvature
-        self.mean, self.theta_star = state["mean"], state["theta_star"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.prior_mean = state.get("prior_mean", 0.0)
-        self._sigma_fit = state["sigma_fit"]
-        self.temperature, self.num_data = float(state["temperature"]), int(state["num_data"])
-        self._log_lik, self._grad = state["log_lik"], state["grad"]
-        self._sse = state.get("sse")
-        if self.task == "regression":
-            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
-        self._posterior = None
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a Laplace over the same model.
+
+        The whole state is validated first (:mod:`gaussify.state`): keys, task, structure,
+        subset, shapes, dtypes, NaN/inf, and the saved theta* and other weights against the
+        model's current ones (a mismatch raises; ``strict=False`` warns instead). A failed
+        load leaves the posterior as it was."""
+        load_laplace_state(self, state, strict=strict)

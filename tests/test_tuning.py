@@ -374,3 +374,27 @@ def test_alpha_eps_tuning_converges_or_warns_and_checks_its_arguments() -> None:
     ):
         with pytest.raises(ValueError, match=rf"^{name}: "):
             al.tune_alpha_eps(bound, **kwargs)
+
+
+def test_fixed_steps_runs_exactly_n_adam_steps_from_the_current_value() -> None:
+    """laplace-torch's contract (used by gaussify.compat): n_steps of Adam from the start."""
+    x, y = _blr_data(1.0)
+    la = _linear_laplace(x, y, 1e4)
+    spec = la.spectrum("scalar", tune_noise=True)
+    assert spec is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.ConvergenceWarning)  # no warning in this mode
+        la.optimize_prior(fixed_steps=True, n_steps=3, lr=0.1)
+    result = la.tuning_result
+    assert result is not None and result.steps == 3 and result.optimizer == "adam"
+    assert not result.converged
+    # torch.optim.Adam on -log Z from (log 1e4, log 1) gives the same point
+    h = torch.tensor([math.log(1e4), 0.0], dtype=DT, requires_grad=True)
+    opt = torch.optim.Adam([h], lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        _, g_prior, g_sigma = spec.evidence(h.detach()[:1].numpy(), float(h.detach()[1]))
+        h.grad = -torch.tensor([g_prior[0], g_sigma], dtype=DT)
+        opt.step()
+    assert float(la.prior_precision) == pytest.approx(math.exp(float(h.detach()[0])), rel=1e-12)
+    assert float(la.sigma_noise) == pytest.approx(math.exp(float(h.detach()[1])), rel=1e-12)

@@ -259,9 +259,11 @@ def maximize(
     rel_tol: float = 1e-6,
     x_tol: float = 1e-3,
     precision: float = 1.5e-8,
+    fixed_steps: bool = False,
 ) -> _Optimum:
     """Maximise ``objective`` (x -> (value, gradient)) from ``x0`` within ``bounds`` with the
-    convergence test of the module doc; at most ``max_steps`` iterations."""
+    convergence test of the module doc; at most ``max_steps`` iterations (Adam with
+    ``fixed_steps``: exactly that many, without the early stop)."""
     lo = np.array([b[0] for b in bounds])
     hi = np.array([b[1] for b in bounds])
     if optimizer == "lbfgs":
@@ -318,7 +320,7 @@ def maximize(
         newton_step = math.inf
         steps, message = 0, "ITERATIONS"
         for t in range(1, max_steps + 1):
-            if _grad_ok(grad, value, grad_tol, max(rel_tol, precision)):
+            if not fixed_steps and _grad_ok(grad, value, grad_tol, max(rel_tol, precision)):
                 message = "CONVERGENCE: GRADIENT TEST PASSED"
                 break
             g = -grad
@@ -412,6 +414,7 @@ def tune_hyperparameters(
     noise_start: float | None = None,
     start_grid: bool = True,
     prior_centre: float | None = None,
+    fixed_steps: bool = False,
     caller: str = "optimize_prior",
 ) -> TuningResult:
     """Maximise the log evidence over log prior precision (shape of ``prior_init``) and, with
@@ -419,13 +422,18 @@ def tune_hyperparameters(
     ``n_steps`` optimiser iterations. ``noise_start`` is the data-scale start of the noise
     (the residual RMS); ``prior_centre`` the centre of the start grid and box of the prior
     (e.g. P / ||theta - m0||^2, the prior that maximises the prior term alone; default 1);
-    ``start_grid=False`` starts from the given values only. Warns with
+    ``start_grid=False`` starts from the given values only. ``fixed_steps=True`` runs exactly
+    ``n_steps`` Adam steps (``lr``) from the given values, without the start grid, the early
+    stop or the warning (laplace-torch's marglik tuning, for :mod:`gaussify.compat`); the
+    result still says whether the end point passes the convergence test. Otherwise warns with
     :class:`ConvergenceWarning` (naming ``caller``) when the run is not converged."""
     n_steps = check_count(n_steps, "n_steps")
     lr = check_positive(lr, "lr")
     grad_tol = check_positive(grad_tol, "grad_tol")
     rel_tol = check_positive(rel_tol, "rel_tol")
     check_choice(optimizer, "optimizer", OPTIMIZERS)
+    if fixed_steps:
+        optimizer, start_grid, noise_start = "adam", False, None
     if tune_noise and (sigma_init is None or sigma_init.numel() != 1):
         raise ValueError("sigma_noise: only a scalar noise can be tuned")
     prior64 = prior_init.detach().to("cpu", torch.float64).reshape(-1)
@@ -480,6 +488,7 @@ def tune_hyperparameters(
         grad_tol=grad_tol,
         rel_tol=rel_tol,
         precision=objective.precision,
+        fixed_steps=fixed_steps,
     )
     dtype = prior_init.dtype if prior_init.is_floating_point() else torch.float64
     prior = torch.as_tensor(np.exp(opt.x[:k]), dtype=dtype, device=prior_init.device)
@@ -501,7 +510,7 @@ def tune_hyperparameters(
         optimizer=optimizer,
         message=opt.message,
     )
-    if not result.converged:
+    if not result.converged and not fixed_steps:
         warnings.warn(
             f"{caller}: hyperparameter tuning did not converge after {result.steps} "
             f"{optimizer} steps (max |d log Z / d log hyper| = {grad_norm:.3g}, log Z = "

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["ConvergenceWarning"]
+__all__ = ["ConvergenceWarning", "SquashedOutputWarning"]
 
 
 class ConvergenceWarning(UserWarning):
     """An iterative fit (hyperparameter tuning) used its whole step budget without meeting its
     convergence test; the result it returns is the last iterate, not a verified optimum."""
+
+
+class SquashedOutputWarning(UserWarning):
+    """The model's last module already applies a softmax / log-softmax / sigmoid while the
+    likelihood applies its own link to the model's outputs: the likelihood then treats
+    probabilities as logits, and the predictive is squashed towards uniform (for C classes the
+    largest class probability cannot exceed e / (e + C - 1), 0.40 for 5 classes)."""

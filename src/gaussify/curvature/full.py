@@ -36,6 +36,11 @@ from gaussify.curvature.lastlayer import (
 )
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood, all_finite
+from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+)
 
 __all__ = [
     "CholeskyPrecision",
@@ -43,6 +48,13 @@ __all__ = [
     "FullGGN",
     "gram",
 ]
+
+
+#: What to use instead of a P x P matrix that does not fit (memory_guard messages).
+FULL_ALTERNATIVES = (
+    "structure='diag', 'kron' or 'lowrank', or a smaller subset ('last_layer', named "
+    "modules, or a subnetwork of individual weights)"
+)
 
 
 def gram(products: Tensor) -> Tensor:
@@ -310,6 +322,13 @@ class FullGGN(GaussNewtonCurvature):
         #: features (O(N C^2 D^2)) instead of the per-sample products (O(N C^3 D^2))
         self.kron_features = kron_features
         p = self.num_params
+        check_allocation(
+            p * p,
+            self.dtype,
+            f"structure='full': the P x P GGN (P = {p:,} parameters)",
+            FULL_ALTERNATIVES,
+            device=self.device,
+        )
         self._ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
         self._blocks = syrk_blocks(p)
         self._mirror_pending = False  # upper blocks of _ggn not yet copied from the lower ones
@@ -475,10 +494,13 @@ class FullGGN(GaussNewtonCurvature):
     def state_dict(self) -> dict[str, Tensor]:
         return {"ggn": self.ggn.clone(), "num_data": torch.tensor(self.num_data)}
 
+    def state_schema(self) -> dict[str, Any]:
+        return {"ggn": TensorSpec(("P", "P"), self.dtype), "num_data": Integer()}
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        p = self.num_params
-        self.ggn = self._check_state_tensor(state, "ggn", (p, p)).clone()
-        self._load_num_data(state)
+        valid = self._validated_state(state)
+        self.ggn = valid["ggn"].clone()
+        self.num_data = valid["num_data"]
         self._forget()
 
     def _eig_for_posterior(self) -> tuple[Tensor, Tensor] | None:

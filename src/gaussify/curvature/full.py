@@ -108,6 +108,7 @@ class CholeskyPrecision:
         self.precision = precision.to(self.dtype)
         self.num_params = precision.shape[-1]
         self._chol: Tensor | None = None
+        self._wide_chol: Tensor | None = None
         self._logdet: Tensor | None = None
         self._inv_factor: Tensor | None = None
 
@@ -117,16 +118,39 @@ class CholeskyPrecision:
             if self._wide is None:
                 self._chol = cholesky_psd(self.precision)
             else:
-                wide = cholesky_psd(self._wide)
-                self._logdet = 2 * wide.diagonal().log().sum()
-                self._chol, self._wide = wide.to(self.dtype), None
+                wide = self._wide_factor()
+                self._chol, self._wide, self._wide_chol = wide.to(self.dtype), None, None
         return self._chol
 
+    def _wide_factor(self) -> Tensor:
+        """The float64 Cholesky factor, kept until :attr:`cholesky` is first needed (the
+        evidence's log det and solve use it; predictions and samples drop it)."""
+        if self._wide_chol is None:
+            assert self._wide is not None
+            self._wide_chol = cholesky_psd(self._wide)
+            self._logdet = 2 * self._wide_chol.diagonal().log().sum()
+        return self._wide_chol
+
     def logdet(self) -> Tensor:
-        chol = self.cholesky
-        if self._logdet is not None:
-            return self._logdet.to(self.dtype)
-        return 2 * chol.diagonal().log().sum()
+        return self.logdet_wide().to(self.dtype)
+
+    def logdet_wide(self) -> Tensor:
+        """log det A in the factorisation's dtype (float64 for a float32 model)."""
+        if self._logdet is None:
+            if self._wide is not None:
+                self._wide_factor()
+            else:
+                self._logdet = 2 * self.cholesky.diagonal().log().sum()
+        assert self._logdet is not None
+        return self._logdet
+
+    def solve_wide(self, v: Tensor) -> Tensor:
+        """A^-1 v in float64 with the float64 factor where there is one (the evidence's
+        correction b^T A^-1 b cancels against the prior term at large priors)."""
+        factor = self._wide_factor() if self._wide is not None else self.cholesky
+        lead = v.shape[:-1]
+        rhs = v.reshape(-1, self.num_params).T.to(factor.dtype)
+        return torch.cholesky_solve(rhs, factor).T.reshape(*lead, self.num_params)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         # L^{-T} z has covariance L^{-T} L^{-1} = A^{-1}.
@@ -234,7 +258,11 @@ class EigenPrecision:
         self.diag = diag.to(dtype)
 
     def logdet(self) -> Tensor:
-        return self._diag_wide.log().sum().to(self.eigenvectors.dtype)
+        return self.logdet_wide().to(self.eigenvectors.dtype)
+
+    def logdet_wide(self) -> Tensor:
+        """log det A summed in the eigenvalues' dtype (float64 for a float32 model)."""
+        return self._diag_wide.log().sum()
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         v = self.eigenvectors
@@ -480,6 +508,12 @@ class FullGGN(GaussNewtonCurvature):
         self.ggn = self._check_state_tensor(state, "ggn", (p, p)).clone()
         self._load_num_data(state)
         self._forget()
+
+    @property
+    def eigenbasis_cached(self) -> bool:
+        """Whether G's eigendecomposition is at hand (then the evidence is evaluated per
+        eigenvector, :func:`gaussify.evidence.eigenbasis_log_evidence`, at no extra cost)."""
+        return self._eig is not None
 
     def _eig_for_posterior(self) -> tuple[Tensor, Tensor] | None:
         """The eigendecomposition a scalar-prior posterior uses, per ``eig_cache``, or None

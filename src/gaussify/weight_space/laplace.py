@@ -46,9 +46,12 @@ from gaussify.curvature.subset import (
     select_parameters,
 )
 from gaussify.evidence import (
+    eigenbasis_log_evidence,
     gaussian_log_likelihood,
     laplace_log_evidence,
+    log_likelihood_supremum,
     optimize_hyperparameters,
+    warn_dropped_correction,
 )
 from gaussify.likelihoods import Gaussian, Likelihood, all_finite, get_likelihood
 from gaussify.predictive import (
@@ -624,7 +627,11 @@ class Laplace:
         sigma_noise: Tensor | float | None = None,
     ) -> Tensor:
         """Laplace log evidence (thesis eq. 3.17-3.18, see evidence.py), differentiable in the
-        hyperparameters; defaults to the current ones."""
+        hyperparameters; defaults to the current ones. Evaluated in float64 (returned in the
+        model's dtype) and merged per eigenvector where the structure has an eigenbasis for
+        this prior (:meth:`spectrum`); with the correction, the rule of :mod:`gaussify.evidence`
+        drops it, with an :class:`~gaussify.warnings.EvidenceWarning`, where its Newton model
+        would exceed the likelihood's supremum (so class labels always give log Z <= 0)."""
         self._require_fit()
         dtype = self.mean.dtype
         prior = (
@@ -635,28 +642,65 @@ class Laplace:
         sigma = (
             self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
         )
-        post = self.posterior_at(prior, sigma)
+        post = self.posterior_at(prior, sigma)  # validates prior and sigma
         scale = self._scale(sigma)
-        if self.task == "regression":
-            assert self._sse is not None
-            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
+        log_lik, supremum = self._log_lik_and_supremum(sigma)
+        theta = self.mean - self.prior_mean  # the prior N(m0, P0^-1) sees theta - m0
+        prior_vec = expand_prior(prior, self.subset)
+        parts = self._eigenbasis(prior, theta)
+        if parts is not None:
+            evals, eig_groups, projections = parts
+            delta = prior.reshape(-1).to(torch.float64)[eig_groups.to(prior.device)]
+            result = eigenbasis_log_evidence(
+                log_lik, evals, scale, delta, prior_vec, theta, projections, supremum=supremum
+            )
         else:
-            log_lik = self._log_lik / self.temperature
-        # The gradient of the tempered log-likelihood scales like the GGN: (sigma_fit/sigma)^2 / T.
-        grad = self._grad * scale
-        value = laplace_log_evidence(
-            log_lik,
-            self.mean - self.prior_mean,  # the prior N(m0, P0^-1) sees theta - m0
-            expand_prior(prior, self.subset).to(dtype),
-            post.logdet(),
-            post.solve,
-            grad if self.correction else None,
-        )
+            result = laplace_log_evidence(
+                log_lik,
+                theta,
+                prior_vec,
+                getattr(post, "logdet_wide", post.logdet)(),
+                getattr(post, "solve_wide", post.solve),
+                self._grad * scale if self.correction else None,  # g / T scales like G
+                supremum=supremum,
+            )
+        if result.dropped:
+            warn_dropped_correction(result, self._curvature)
+        value = result.value
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
             )
-        return value
+        return value.to(dtype)
+
+    def _log_lik_and_supremum(self, sigma: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(tempered log-likelihood at theta*, its supremum for the correction's rule or None
+        without the correction)."""
+        outputs = 1 if self._sse is None else self._sse.numel()
+        sup = log_likelihood_supremum(
+            self.likelihood, self.num_data, outputs, sigma, self.temperature
+        )
+        if self.task != "regression":
+            return self._log_lik / self.temperature, sup if self.correction else None
+        assert self._sse is not None
+        log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
+        return log_lik, sup if self.correction else None
+
+    def _eigenbasis(
+        self, prior: Tensor, theta: Tensor
+    ) -> tuple[Tensor, Tensor, list[Tensor]] | None:
+        """The structure's (eigenvalues, prior group per eigenvector, [V^T g, V^T theta] with the
+        correction) for ``prior``'s granularity when it has one without a new factorisation."""
+        method = getattr(self._curvature, "spectrum", None)
+        if method is None or not getattr(self._curvature, "eigenbasis_cached", True):
+            return None
+        p, k = self.subset.num_params, prior.numel()
+        granularity: Granularity = (
+            "scalar" if k == 1 else ("layer" if k == len(self.subset.names) and k != p else "diag")
+        )
+        return method(
+            self._prior_groups(granularity), [self._grad, theta] if self.correction else []
+        )
 
     def optimize_prior(
         self,
@@ -779,11 +823,7 @@ class Laplace:
         eigenvalues, eig_groups, projections = out
         sigma = self.sigma_noise
         scale = float(self._scale(sigma))
-        if self.task == "regression":
-            assert self._sse is not None
-            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
-        else:
-            log_lik = self._log_lik / self.temperature
+        log_lik, supremum = self._log_lik_and_supremum(sigma)
         tunable = tune_noise and self.task == "regression"
         sse = self._sse
         return build_spectrum(
@@ -798,6 +838,7 @@ class Laplace:
             sse=float(sse.sum()) if tunable and sse is not None else None,
             count=self.num_data * (sse.numel() if sse is not None else 1),
             param_group=groups,
+            supremum_ref=None if supremum is None else float(supremum),
         )
 
     # ------------------------------------------------------------------ prediction

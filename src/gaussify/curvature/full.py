@@ -338,7 +338,10 @@ class FullGGN(GaussNewtonCurvature):
         #: features (O(N C^2 D^2)) instead of the per-sample products (O(N C^3 D^2))
         self.kron_features = kron_features
         p = self.num_params
-        self._ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
+        # accumulated in float64 for a float32 model: a float32 sum resolves eigenvalues only
+        # to ~eps * lambda_max (a null direction came out at 7e-8 against 3e-16), which then
+        # dominates log det A at small priors; the sum of float64 products keeps a Gram matrix
+        self._ggn = torch.zeros(p, p, dtype=_factor_dtype(self.dtype), device=self.device)
         self._blocks = syrk_blocks(p)
         self._mirror_pending = False  # upper blocks of _ggn not yet copied from the lower ones
         self.eig_cache = eig_cache
@@ -384,7 +387,7 @@ class FullGGN(GaussNewtonCurvature):
         single = self._chunk(f.shape[0], k * self.subset.support.num_params) >= f.shape[0]
         target = self._ggn if single else torch.zeros_like(self._ggn)
         for block in self._products(model, x, y, f, phi, draws):
-            flat = block.reshape(-1, block.shape[-1]).to(self.dtype)
+            flat = block.reshape(-1, block.shape[-1]).to(self._ggn.dtype)
             # one reduction (NaN/inf propagate into the sum); the full scan only if it is not
             # finite, in case the finite entries merely overflowed the sum
             if not torch.isfinite(flat.sum()) and not torch.isfinite(flat).all():
@@ -505,7 +508,9 @@ class FullGGN(GaussNewtonCurvature):
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         p = self.num_params
-        self.ggn = self._check_state_tensor(state, "ggn", (p, p)).clone()
+        self._check_state_tensor(state, "ggn", (p, p))  # validates key and shape
+        ggn = torch.as_tensor(state["ggn"])
+        self.ggn = ggn.to(dtype=self._ggn.dtype, device=self.device).clone()
         self._load_num_data(state)
         self._forget()
 

@@ -17,19 +17,30 @@ once per fit:
     d_j = s lambda_j + delta_{k(j)},   r_j = s u_j - delta_{k(j)} w_j,
 
 with t_k = sum of theta_i^2 and n_k the number of parameters in group k (the last sum is the
-non-MAP correction of Thm 3.3, present only when it is switched on). Each evaluation and its
-gradient then cost O(P) on (P,) vectors, whatever the structure; tuning runs a hand-written
-Adam (the update of ``torch.optim.Adam`` with its defaults) on the log-hyperparameters, in
-float64 NumPy, without autograd or any (P, P) matrix. The gradient is, with
-a_j = -1/2 (1 / d_j) - w_j r_j / d_j - 1/2 r_j^2 / d_j^2 (the last two terms with the
-correction),
+non-MAP correction of Thm 3.3, present only when it is switched on). Evaluated as in
+:mod:`gaussify.evidence`, without cancellation at large priors: with e_j = s lambda_j,
+h_j = s u_j and hw_j = h_j w_j + 1/2 e_j w_j^2,
 
-    d log Z / d log delta_k = delta_k (-t_k / 2 + n_k / (2 delta_k) + sum_{j in k} a_j),
-    d log Z / d s = sum_j (-1/2 lambda_j / d_j + u_j r_j / d_j - 1/2 lambda_j r_j^2 / d_j^2),
+    log Z = L - 1/2 sum_j log1p(e_j / delta_j) + sum_j (1/2 h_j^2 - delta_j hw_j) / d_j
+
+with the correction, L - 1/2 sum_k delta_k t_k - 1/2 sum_j log1p(e_j / delta_j) without it,
+and the rule of :mod:`gaussify.evidence`: where the Newton model's log-likelihood
+L + sum_j (h_j z_j - 1/2 e_j z_j^2), z_j = r_j / d_j, exceeds the likelihood's supremum
+(``supremum_ref``; for a tunable Gaussian noise -N C (log sigma + 1/2 log 2 pi) / T) the value
+and gradient are those without the correction. Each evaluation and its gradient cost O(P) on
+(P,) vectors, whatever the structure; tuning runs a hand-written Adam (the update of
+``torch.optim.Adam`` with its defaults) on the log-hyperparameters, in float64 NumPy, without
+autograd or any (P, P) matrix. The gradient is
+
+    d log Z / d log delta_k = sum_{j in k} (1/2 e_j / d_j - delta_j (hw_j e_j + 1/2 h_j^2) / d_j^2)
+                              (with the correction),
+    d log Z / d log delta_k = sum_{j in k} 1/2 e_j / d_j - 1/2 delta_k t_k (without),
+    d log Z / d s = sum_j (-1/2 lambda_j / d_j + u_j z_j - 1/2 lambda_j z_j^2),
     d log Z / d log sigma = dL / d log sigma - 2 s d log Z / d s,
 
-and for a Gaussian likelihood L(sigma) = (-SSE / (2 sigma^2) - N C log sigma
-- N C log(2 pi) / 2) / T with dL / d log sigma = (SSE / sigma^2 - N C) / T.
+(the z terms with the correction only) and for a Gaussian likelihood L(sigma) = (-SSE /
+(2 sigma^2) - N C log sigma - N C log(2 pi) / 2) / T with dL / d log sigma = (SSE / sigma^2 -
+N C) / T.
 """
 
 from __future__ import annotations

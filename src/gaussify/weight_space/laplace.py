@@ -88,7 +88,11 @@ class Laplace:
     approximate A (diag, kron, lowrank, EF or Monte Carlo curvature) it can exceed the largest
     gain possible (for regression, the whole residual sum of squares) and grows without bound
     as the prior precision and noise shrink, so tuning runs off to ~1e-7. Default (None): on
-    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence).
+    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence). Rule
+    (:mod:`gaussify.evidence`), for every structure: where the Newton model's log-likelihood
+    at its mode exceeds the likelihood's supremum (0 for class labels), the correction is
+    dropped with an :class:`~gaussify.warnings.EvidenceWarning`, so class labels always get
+    log Z <= 0 (far from a MAP, e.g. logits scaled x10, it gave +4420).
     ``prior_mean``: mean m0 of the Gaussian prior N(m0, P0^-1), a scalar or one value per
     parameter (e.g. the previous task's posterior mean in continual learning); default 0.
     Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)

@@ -55,6 +55,16 @@ def _trained(task: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return _CACHE[task]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _warm() -> None:
+    """Train the two MLPs once (and import the low-rank eigensolver) before the tests."""
+    import scipy.sparse.linalg  # noqa: F401
+
+    for task in ("multiclass", "binary"):
+        model, x, y = _trained(task)
+        _laplace(model, task, "full").fit((x, y)).log_marginal_likelihood()
+
+
 def _scaled(task: str, factor: float) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """The trained MLP with its logits scaled by ``factor`` (last layer weights and bias)."""
     model, x, y = _trained(task)
@@ -200,3 +210,50 @@ def test_exact_gaussian_linear_model_never_drops_the_correction() -> None:
             for prior in (1e-6, 1.0, 1e6):
                 la.log_marginal_likelihood(prior)
                 assert not spec.correction_dropped(np.log([prior]))
+
+
+@pytest.mark.parametrize("factor", [1.0, 10.0, 100.0])
+def test_function_space_evidence_obeys_the_same_rule(factor: float) -> None:
+    """FunctionalLaplace and ELLA (all points as landmarks) equal the full-GGN Laplace
+    evidence at any theta*, so they drop the impossible correction at the same priors, and
+    class labels get log Z <= 0, also after tuning."""
+    model, x, y = _scaled("multiclass", factor)
+    la = _laplace(model, "multiclass", "full").fit((x, y))
+    fl = gs.FunctionalLaplace(model, "classification").fit((x, y))
+    ella = gs.ELLA(model, "classification", num_landmarks=x.shape[0], seed=0).fit((x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EvidenceWarning)
+        for prior in (1e-6, 1e-2, 1.0, 1e3):
+            ref = float(la.log_marginal_likelihood(prior))
+            assert ref <= 0.0
+            assert float(fl.log_marginal_likelihood(prior)) == pytest.approx(ref, rel=1e-7)
+            assert float(ella.log_marginal_likelihood(prior)) == pytest.approx(ref, rel=1e-7)
+        for post in (fl, ella):
+            post.optimize_prior(method="grid")
+            assert float(post.log_marginal_likelihood()) <= 0.0
+
+
+def test_function_space_drop_warns() -> None:
+    model, x, y = _scaled("multiclass", 10.0)
+    fl = gs.FunctionalLaplace(model, "classification").fit((x, y))
+    with pytest.warns(EvidenceWarning, match="supremum 0"):
+        fl.log_marginal_likelihood(1e-2)
+    ella = gs.ELLA(model, "classification", num_landmarks=x.shape[0], seed=0).fit((x, y))
+    with pytest.warns(EvidenceWarning, match="supremum 0"):
+        ella.log_marginal_likelihood(1e-2)
+
+
+def test_functional_laplace_float32_equals_float64() -> None:
+    """Evaluated in float64 (the kernel cast): at small priors 1/2 v^T K v cancels against
+    the Cholesky term. Below 1e-4 the float32 kernel itself (1e8 J J^T, not PSD to round-off)
+    limits the agreement; there B = I + L^T K L can even fail to factorise, which raises."""
+    model64, x, y = _trained("multiclass")
+    values = {}
+    for dtype in (torch.float32, torch.float64):
+        model = copy.deepcopy(model64).to(dtype)
+        fl = gs.FunctionalLaplace(model, "classification").fit((x.to(dtype), y))
+        values[dtype] = [float(fl.log_marginal_likelihood(p)) for p in PRIORS[1:]]
+    for prior, v32, v64 in zip(
+        PRIORS[1:], values[torch.float32], values[torch.float64], strict=True
+    ):
+        assert v32 == pytest.approx(v64, rel=1e-4), (prior, v32, v64)

@@ -61,7 +61,9 @@ from gaussify.warnings import EvidenceWarning
 
 __all__ = [
     "EvidenceValue",
+    "apply_rule",
     "eigenbasis_log_evidence",
+    "feature_log_evidence",
     "gaussian_log_likelihood",
     "laplace_log_evidence",
     "log_likelihood_supremum",
@@ -127,7 +129,7 @@ def rule_fires(log_lik: float, gain: float, supremum: float | None) -> bool:
     return log_lik + gain > supremum + tol
 
 
-def _apply_rule(
+def apply_rule(
     log_lik: Tensor,
     gain: Tensor,
     supremum: Tensor | None,
@@ -181,7 +183,7 @@ def laplace_log_evidence(
     bz = (b * z).sum()
     # q(mu) - L = g^T z - 1/2 s z^T G z, with s z^T G z = z^T A z - z^T P0 z = b^T z - z^T P0 z
     gain = (g * z).sum() - 0.5 * (bz - (prior * z.square()).sum())
-    return _apply_rule(lik, gain, supremum, base, lambda: base + 0.5 * bz)
+    return apply_rule(lik, gain, supremum, base, lambda: base + 0.5 * bz)
 
 
 def eigenbasis_log_evidence(
@@ -223,19 +225,55 @@ def eigenbasis_log_evidence(
         merged = ((0.5 * h.square() - dl * (h * w + 0.5 * e * w.square())) / d).sum()
         return lik + merged + logdet_term
 
-    return _apply_rule(lik, gain, supremum, base, corrected)
+    return apply_rule(lik, gain, supremum, base, corrected)
 
 
-_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+def feature_log_evidence(
+    log_lik: Tensor,
+    const: Tensor,
+    precision: Tensor,
+    rhs: Tensor,
+    *,
+    supremum: Tensor | None = None,
+    prior_quad: Tensor | None = None,
+) -> EvidenceValue:
+    """The same evidence for a linearised model written in R unit-prior features,
+    f = f* + m + Phi^T w with w ~ N(0, I_R) (ELLA's Nystrom GLM): with ``const`` = L + r^T m
+    - 1/2 m^T Lambda m (the Newton model at w = 0), ``precision`` A = I + Phi Lambda Phi^T
+    (R, R) and ``rhs`` s = Phi (r - Lambda m) (R,),
+
+        log Z = const + 1/2 s^T A^-1 s - 1/2 log det A,
+
+    in float64, with the rule: the Newton model's log-likelihood at the mode w = A^-1 s is
+    const + w^T s - 1/2 w^T (A - I) w; where it exceeds ``supremum`` the value is
+    L - 1/2 ``prior_quad`` - 1/2 log det A (no correction; ``prior_quad`` = theta*^T P0
+    theta*)."""
+    lik, const_w = _wide(log_lik), _wide(const)
+    a, s = _wide(precision), _wide(rhs)
+    chol = torch.linalg.cholesky(0.5 * (a + a.T))
+    z = torch.linalg.solve_triangular(chol, s.reshape(-1, 1), upper=False)
+    half_logdet = chol.diagonal().log().sum()
+    value = const_w + 0.5 * z.square().sum() - half_logdet
+    if supremum is None or prior_quad is None:
+        return EvidenceValue(value)
+    w = torch.cholesky_solve(s.reshape(-1, 1), chol).reshape(-1)
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    gain = const_w - lik + (w * s).sum() - 0.5 * (w * ((a - eye) @ w)).sum()
+    base = lik - 0.5 * _wide(prior_quad) - half_logdet
+    return apply_rule(lik, gain, supremum, base, lambda: value)
 
 
-def warn_dropped_correction(result: EvidenceValue, key: Any) -> None:
+_WARNED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def warn_dropped_correction(result: EvidenceValue, owner: Any, fit_state: object) -> None:
     """Warn (:class:`~gaussify.warnings.EvidenceWarning`) that ``result`` dropped the
-    correction; once per ``key`` (a fitted state, e.g. the curvature object, so that prior
-    tuning does not warn at every step and a new fit warns again)."""
-    if key in _WARNED:
+    correction; once per ``owner`` (a posterior) and ``fit_state`` (an object that a new fit
+    replaces, e.g. its curvature), so that prior tuning does not warn at every step and a new
+    fit warns again."""
+    if _WARNED.get(owner) == id(fit_state):
         return
-    _WARNED.add(key)
+    _WARNED[owner] = id(fit_state)
     warnings.warn(
         "log evidence: the non-MAP correction was dropped because its Newton model of the "
         f"log-likelihood reaches {result.newton_log_lik:.6g}, above the likelihood's supremum "

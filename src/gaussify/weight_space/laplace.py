@@ -669,7 +669,7 @@ class Laplace:
                 supremum=supremum,
             )
         if result.dropped:
-            warn_dropped_correction(result, self._curvature)
+            warn_dropped_correction(result, self, self._curvature)
         value = result.value
         if not torch.isfinite(value):
             raise FloatingPointError(

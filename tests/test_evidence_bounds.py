@@ -35,7 +35,8 @@ def _data(task: str, n: int = 60, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g, dtype=DT)
     if task == "binary":
-        return x, (x[:, 0] + 0.5 * x[:, 1] > 0).to(DT).reshape(-1, 1)
+        noise = torch.randn(n, generator=g, dtype=DT)  # overlapping classes
+        return x, (x[:, 0] + 0.5 * x[:, 1] + noise > 0).to(DT).reshape(-1, 1)
     return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
 
 

@@ -45,14 +45,7 @@ from gaussify.curvature.subset import (
     require_whole_tensors,
     select_parameters,
 )
-from gaussify.evidence import (
-    eigenbasis_log_evidence,
-    gaussian_log_likelihood,
-    laplace_log_evidence,
-    log_likelihood_supremum,
-    optimize_hyperparameters,
-    warn_dropped_correction,
-)
+from gaussify.evidence import optimize_hyperparameters
 from gaussify.likelihoods import Gaussian, Likelihood, all_finite, get_likelihood
 from gaussify.predictive import (
     LinkName,
@@ -62,6 +55,7 @@ from gaussify.predictive import (
 )
 from gaussify.spectral import Spectrum, adam_maximize, build_spectrum
 from gaussify.weight_space.joint import function_samples, joint_predictive
+from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
 
 __all__ = ["Laplace"]
 
@@ -646,65 +640,13 @@ class Laplace:
         sigma = (
             self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
         )
-        post = self.posterior_at(prior, sigma)  # validates prior and sigma
-        scale = self._scale(sigma)
-        log_lik, supremum = self._log_lik_and_supremum(sigma)
-        theta = self.mean - self.prior_mean  # the prior N(m0, P0^-1) sees theta - m0
-        prior_vec = expand_prior(prior, self.subset)
-        parts = self._eigenbasis(prior, theta)
-        if parts is not None:
-            evals, eig_groups, projections = parts
-            delta = prior.reshape(-1).to(torch.float64)[eig_groups.to(prior.device)]
-            result = eigenbasis_log_evidence(
-                log_lik, evals, scale, delta, prior_vec, theta, projections, supremum=supremum
-            )
-        else:
-            result = laplace_log_evidence(
-                log_lik,
-                theta,
-                prior_vec,
-                getattr(post, "logdet_wide", post.logdet)(),
-                getattr(post, "solve_wide", post.solve),
-                self._grad * scale if self.correction else None,  # g / T scales like G
-                supremum=supremum,
-            )
-        if result.dropped:
-            warn_dropped_correction(result, self, self._curvature)
+        result = fitted_log_evidence(self, prior, sigma)
         value = result.value
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
             )
         return value.to(dtype)
-
-    def _log_lik_and_supremum(self, sigma: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(tempered log-likelihood at theta*, its supremum for the correction's rule or None
-        without the correction)."""
-        outputs = 1 if self._sse is None else self._sse.numel()
-        sup = log_likelihood_supremum(
-            self.likelihood, self.num_data, outputs, sigma, self.temperature
-        )
-        if self.task != "regression":
-            return self._log_lik / self.temperature, sup if self.correction else None
-        assert self._sse is not None
-        log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
-        return log_lik, sup if self.correction else None
-
-    def _eigenbasis(
-        self, prior: Tensor, theta: Tensor
-    ) -> tuple[Tensor, Tensor, list[Tensor]] | None:
-        """The structure's (eigenvalues, prior group per eigenvector, [V^T g, V^T theta] with the
-        correction) for ``prior``'s granularity when it has one without a new factorisation."""
-        method = getattr(self._curvature, "spectrum", None)
-        if method is None or not getattr(self._curvature, "eigenbasis_cached", True):
-            return None
-        p, k = self.subset.num_params, prior.numel()
-        granularity: Granularity = (
-            "scalar" if k == 1 else ("layer" if k == len(self.subset.names) and k != p else "diag")
-        )
-        return method(
-            self._prior_groups(granularity), [self._grad, theta] if self.correction else []
-        )
 
     def optimize_prior(
         self,
@@ -827,7 +769,7 @@ class Laplace:
         eigenvalues, eig_groups, projections = out
         sigma = self.sigma_noise
         scale = float(self._scale(sigma))
-        log_lik, supremum = self._log_lik_and_supremum(sigma)
+        log_lik, supremum = log_lik_and_supremum(self, sigma)
         tunable = tune_noise and self.task == "regression"
         sse = self._sse
         return build_spectrum(

@@ -258,3 +258,24 @@ def test_functional_laplace_float32_equals_float64() -> None:
         PRIORS[1:], values[torch.float32], values[torch.float64], strict=True
     ):
         assert v32 == pytest.approx(v64, rel=1e-4), (prior, v32, v64)
+
+
+def test_ngvi_kl_of_a_float32_posterior_is_never_negative() -> None:
+    """The ELBO's KL(q || p) >= 0: summed in float64 its large cancelling terms (tr(P0 Sigma)
+    against P, the log-determinants) no longer make it negative (-0.00195 in float32)."""
+    from gaussify.curvature.diag import DiagonalPrecision
+    from gaussify.weight_space.ngvi_math import gaussian_kl
+
+    g = torch.Generator().manual_seed(0)
+    p = 5000
+    mean = 1e-5 * torch.randn(p, generator=g, dtype=DT)
+    ggn = 10 * torch.rand(p, generator=g, dtype=DT)
+    for prior in (1e-2, 1e4, 1e8, 1e10):
+        kl = {}
+        for dtype in (torch.float32, torch.float64):
+            pv = torch.full((p,), prior, dtype=dtype)
+            kl[dtype] = float(
+                gaussian_kl(mean.to(dtype), DiagonalPrecision(ggn.to(dtype) + pv), pv)
+            )
+        assert kl[torch.float32] >= 0.0
+        assert kl[torch.float32] == pytest.approx(kl[torch.float64], rel=1e-3, abs=1e-3)

@@ -50,7 +50,9 @@ from gaussify.approx_likelihoods.pseudo_targets import (
     check_labels,
     pseudo_likelihood,
 )
+from gaussify.memory_guard import check_allocation
 from gaussify.predictive import Predictive, laplace_bridge, probit
+from gaussify.state import transactional
 
 __all__ = [
     "GP_LINKS",
@@ -357,6 +359,7 @@ class GPClassifier:
             y.shape[0], -1
         ).T.contiguous()
 
+    @transactional
     def set_data(self, x: Tensor, y: Tensor, num_classes: int | None = None) -> GPClassifier:
         """Store the training data and the pseudo-targets, and initialise the hyperparameters
         (without optimising them). ``x (N, D)`` floating, ``y (N,)`` integer labels in
@@ -375,6 +378,14 @@ class GPClassifier:
         if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
             raise ValueError(f"num_classes: must be an integer >= 2, got {num_classes!r}")
         y = check_labels(y, num_classes)
+        latent, n = (num_classes if self.basis == "log" else 1), x.shape[0]
+        check_allocation(
+            latent * n * n,
+            self.dtype,
+            f"GPClassifier: the {latent} N x N kernel matrices and their Cholesky factors "
+            f"(N = {n:,})",
+            "a random subset of the training points, or ExactLastLayer / VBLL heads on features",
+        )
         self.num_classes = num_classes
         self._x = x.to(self.dtype)
         self._targets, self._noise = self.pseudo_targets(y, num_classes)
@@ -434,6 +445,7 @@ class GPClassifier:
         self._chol, self.mean, self._weights = (t.detach() for t in self._last)
 
     # -- fitting --------------------------------------------------------------------
+    @transactional
     def fit(
         self,
         x: Tensor,
@@ -451,6 +463,7 @@ class GPClassifier:
         self.set_data(x, y, num_classes)
         return self.optimize(max_iter=max_iter, tolerance_grad=tolerance_grad, enabled=optimize)
 
+    @transactional
     def optimize(
         self, *, max_iter: int = 200, tolerance_grad: float = 1e-7, enabled: bool = True
     ) -> GPFitResult:

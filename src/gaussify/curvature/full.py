@@ -36,6 +36,11 @@ from gaussify.curvature.lastlayer import (
 )
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood, all_finite
+from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+)
 
 __all__ = [
     "CholeskyPrecision",
@@ -43,6 +48,13 @@ __all__ = [
     "FullGGN",
     "gram",
 ]
+
+
+#: What to use instead of a P x P matrix that does not fit (memory_guard messages).
+FULL_ALTERNATIVES = (
+    "structure='diag', 'kron' or 'lowrank', or a smaller subset ('last_layer', named "
+    "modules, or a subnetwork of individual weights)"
+)
 
 
 def gram(products: Tensor) -> Tensor:
@@ -341,7 +353,15 @@ class FullGGN(GaussNewtonCurvature):
         # accumulated in float64 for a float32 model: a float32 sum resolves eigenvalues only
         # to ~eps * lambda_max (a null direction came out at 7e-8 against 3e-16), which then
         # dominates log det A at small priors; the sum of float64 products keeps a Gram matrix
-        self._ggn = torch.zeros(p, p, dtype=_factor_dtype(self.dtype), device=self.device)
+        wide = _factor_dtype(self.dtype)
+        check_allocation(
+            p * p,
+            wide,
+            f"structure='full': the P x P GGN (P = {p:,} parameters)",
+            FULL_ALTERNATIVES,
+            device=self.device,
+        )
+        self._ggn = torch.zeros(p, p, dtype=wide, device=self.device)
         self._blocks = syrk_blocks(p)
         self._mirror_pending = False  # upper blocks of _ggn not yet copied from the lower ones
         self.eig_cache = eig_cache
@@ -506,12 +526,15 @@ class FullGGN(GaussNewtonCurvature):
     def state_dict(self) -> dict[str, Tensor]:
         return {"ggn": self.ggn.clone(), "num_data": torch.tensor(self.num_data)}
 
+    def state_schema(self) -> dict[str, Any]:
+        # G is held in float64 for a float32 model; a state in the model's dtype loads too
+        dtypes = (self.dtype, _factor_dtype(self.dtype))
+        return {"ggn": TensorSpec(("P", "P"), dtypes), "num_data": Integer()}
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        p = self.num_params
-        self._check_state_tensor(state, "ggn", (p, p))  # validates key and shape
-        ggn = torch.as_tensor(state["ggn"])
-        self.ggn = ggn.to(dtype=self._ggn.dtype, device=self.device).clone()
-        self._load_num_data(state)
+        valid = self._validated_state(state)
+        self.ggn = valid["ggn"].to(self._ggn.dtype).clone()
+        self.num_data = valid["num_data"]
         self._forget()
 
     @property

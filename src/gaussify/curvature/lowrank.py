@@ -31,7 +31,7 @@ from gaussify.curvature.base import (
     check_offset,
     cholesky_psd,
 )
-from gaussify.curvature.full import gram
+from gaussify.curvature.full import FULL_ALTERNATIVES, gram
 from gaussify.curvature.jacobian import (
     SubsetLike,
     auto_chunk_size,
@@ -48,6 +48,11 @@ from gaussify.curvature.lastlayer import (
 )
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+)
 
 __all__ = ["LowRankGGN", "LowRankPrecision", "diag_remainder", "top_eigenpairs"]
 
@@ -320,6 +325,7 @@ class LowRankGGN(GaussNewtonCurvature):
     def _dense_ggn(self) -> Tensor:
         assert self._model is not None
         p = self.num_params
+        check_allocation(p * p, self.dtype, f"the dense P x P GGN (P = {p:,})", FULL_ALTERNATIVES)
         ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
         for b in self._batches:
             for block in self._products(self._model, b.x, b.y, b.f, b.phi, b.draws):
@@ -388,16 +394,19 @@ class LowRankGGN(GaussNewtonCurvature):
             "num_data": torch.tensor(self.num_data),
         }
 
+    def state_schema(self) -> dict[str, Any]:
+        return {
+            "eigenvalues": TensorSpec(("K",), self.dtype),
+            "eigenvectors": TensorSpec(("P", "K"), self.dtype),
+            "ggn_diag": TensorSpec(("P",), self.dtype),
+            "num_data": Integer(),
+        }
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        p = self.num_params
-        if "eigenvalues" not in state:
-            raise ValueError(f"state: missing key 'eigenvalues' (got {sorted(state)})")
-        k = int(torch.as_tensor(state["eigenvalues"]).shape[0])
-        evals = self._check_state_tensor(state, "eigenvalues", (k,))
-        evecs = self._check_state_tensor(state, "eigenvectors", (p, k))
-        self.ggn_diag = self._check_state_tensor(state, "ggn_diag", (p,)).clone()
-        self._load_num_data(state)
-        self._eig = (evals.clone(), evecs.clone())
+        valid = self._validated_state(state)
+        self.ggn_diag = valid["ggn_diag"].clone()
+        self.num_data = valid["num_data"]
+        self._eig = (valid["eigenvalues"].clone(), valid["eigenvectors"].clone())
         self._batches = []
         self._model = None
         self._reference = None

@@ -48,8 +48,21 @@ from gaussify.evidence import (
 )
 from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
-from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Nested,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
 
@@ -150,6 +163,7 @@ class ELLA:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.subset: ParameterSubset = select_parameters(model, subset)
         self.num_landmarks = num_landmarks
         self.landmarks = landmarks
@@ -161,7 +175,7 @@ class ELLA:
         prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(prior, self.subset)
         self.prior_precision = prior
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self._fitted = False
         self._chol: Tensor | None = None
 
@@ -184,6 +198,7 @@ class ELLA:
         with torch.no_grad():
             return torch.einsum("kr,kbc->brc", self._proj, self._kernel_to_landmarks(x))
 
+    @in_eval_mode
     def features(self, x: Tensor) -> Tensor:
         """The Nystrom feature map phi(x) (N, R, C) at the fitted prior precision, with
         phi(x)^T phi(x') ~= k(x, x')."""
@@ -197,7 +212,9 @@ class ELLA:
         return int(self._proj.shape[1])
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("ELLA.fit")
+    @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
         """Choose the landmarks, build the feature map, and accumulate the R x R posterior
         statistics in one pass over ``data`` at the current weights theta*."""
@@ -212,6 +229,14 @@ class ELLA:
         self._z = z = distributed.broadcast(z)  # rank 0's landmarks under torch.distributed
         self._prior_fit = self.prior_precision.clone()
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        mc = z.shape[0] * model_outputs(self.model, z[:1], self.chunk_size).shape[1]
+        check_allocation(
+            mc * mc,
+            self.theta_star.dtype,
+            f"ELLA: the (M C)^2 landmark kernel (M C = {mc:,})",
+            "fewer landmarks (num_landmarks)",
+            device=self.theta_star.device,
+        )
         with torch.no_grad():
             k_zz = ntk(
                 self.model, z, None, self.subset, self._prior_fit, self.chunk_size, route=self.route
@@ -339,6 +364,7 @@ class ELLA:
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -392,6 +418,7 @@ class ELLA:
                 self._chol = chol.to(self._proj.dtype)
         return self._chol, self._factor(self.prior_precision).detach()
 
+    @in_eval_mode
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, c phi*^T A^-1 phi* (N, C, C)."""
         self._require_fit()
@@ -409,6 +436,7 @@ class ELLA:
             covs.append(0.5 * (cov + cov.transpose(-1, -2)))
         return torch.cat(covs)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -439,32 +467,70 @@ class ELLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "landmarks": self._z,
+                "projection": self._proj,
+                "prior_fit": self._prior_fit,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "theta_star": self.theta_star,
+                "num_data": self.num_data,
+                "stats": dict(self._stats),
+            }
+        )
+
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        if self.task == "regression":
+            stats = {"gram": ("C", "R", "R"), "phi_e": ("C", "R"), "phi_m": ("C", "R")}
+            stats.update({k: ("C",) for k in ("em", "mm", "sse")})
+        else:
+            stats = {"gram": ("R", "R"), "s": ("R",), "log_lik": (), "rm": (), "mlm": ()}
         return {
-            "subset": list(self.subset.names),
-            "landmarks": self._z,
-            "projection": self._proj,
-            "prior_fit": self._prior_fit,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "theta_star": self.theta_star,
-            "num_data": self.num_data,
-            "stats": dict(self._stats),
+            **identity_schema(self.task, self.subset.names),
+            "landmarks": TensorSpec(("M", ...), None),
+            "projection": TensorSpec((None, "R"), dt),
+            "prior_fit": TensorSpec(None, dt, positive=True),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "num_data": Integer(1),
+            # the statistics are summed in float64 (a state in the model's dtype loads too)
+            "stats": Nested({k: TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into an ELLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for parameter tensors {list(state['subset'])}; this "
-                f"posterior covers {list(self.subset.names)}"
-            )
-        self._z, self._proj = state["landmarks"], state["projection"]
-        self._prior_fit = state["prior_fit"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.theta_star, self.num_data = state["theta_star"], int(state["num_data"])
-        self._stats = dict(state["stats"])
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into an ELLA over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state, self._state_schema(), owner="ELLA", dims={"P": self.subset.num_params}
+        )
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="ELLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        expand_prior(valid["prior_fit"], self.subset)  # the granularity fits this subset
+        self._z, self._proj = valid["landmarks"].clone(), valid["projection"].clone()
+        self._prior_fit = valid["prior_fit"].clone()
+        self.prior_precision = check_prior(valid["prior_precision"].clone())
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star, self.num_data = valid["theta_star"].clone(), valid["num_data"]
+        self._stats = {k: v.to(torch.float64).clone() for k, v in valid["stats"].items()}
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
         self._fitted = True

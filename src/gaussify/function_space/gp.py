@@ -48,8 +48,23 @@ from gaussify.evidence import (
     warn_dropped_correction,
 )
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
-from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Maybe,
+    NameGroups,
+    StateError,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 
 __all__ = [
     "FunctionalLaplace",
@@ -228,6 +243,7 @@ class FunctionalLaplace:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.subset: ParameterSubset = select_parameters(model, subset)
         self.num_data_subset = num_data_subset
         self.generator = generator
@@ -236,7 +252,7 @@ class FunctionalLaplace:
         self.route: Route = route
         dtype = next(model.parameters()).dtype
         self.prior_precision = self._validate_prior(prior_precision, dtype)
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self._fitted = False
         self._chol: Tensor | None = None
 
@@ -246,7 +262,9 @@ class FunctionalLaplace:
         return prior_t
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("FunctionalLaplace.fit")
+    @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> FunctionalLaplace:
         """Condition the GP on ``data`` (a DataLoader or an ``(x, y)`` pair) at the current
         weights theta*: store the inputs, outputs f(X; theta*), the prior mean offset
@@ -267,6 +285,16 @@ class FunctionalLaplace:
                 f"(the GP needs {gib:.1f} GiB per (NC)^2 matrix and O((NC)^3) time); pass "
                 "num_data_subset to condition on a random subset, or raise max_kernel_size"
             )
+        groups = 1 if self.prior_precision.ndim == 0 else len(self.subset.names)
+        check_allocation(
+            groups * (n * c) ** 2,
+            f.dtype,
+            f"FunctionalLaplace: the (N C)^2 training kernel (N C = {n * c:,}, {groups} "
+            "prior group(s))",
+            "num_data_subset (condition on a random subset), ELLA (Nystrom), VaLLA (inducing "
+            "points), or Laplace with structure 'kron'/'diag'",
+            device=f.device,
+        )
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
         self._x, self._y, self._f = x, y, f
         self._m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size)
@@ -305,6 +333,7 @@ class FunctionalLaplace:
             self.model, self._x, None, self.subset, groups, self.chunk_size, route=self.route
         ).detach()
 
+    @in_eval_mode
     def train_kernel(self, prior_precision: Tensor | float | None = None) -> Tensor:
         """The training kernel K (N, C, N, C) for a prior precision (default: the current
         one), differentiable in it."""
@@ -383,6 +412,7 @@ class FunctionalLaplace:
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -452,6 +482,7 @@ class FunctionalLaplace:
                 self._chol = gp_cholesky(self.train_kernel(), lam_sqrt)
         return self._chol
 
+    @in_eval_mode
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, (N, C, C) (eq. 3.13)."""
         self._require_fit()
@@ -483,6 +514,7 @@ class FunctionalLaplace:
                 covs.append(gp_predictive_cov(k_test, k_cross, lam_sqrt, chol))
         return torch.cat(covs)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -516,10 +548,11 @@ class FunctionalLaplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
         state: dict[str, Any] = {
-            "subset": list(self.subset.names),
+            **identity(self.task, self.subset.names, self.model),
             "prior_precision": self.prior_precision,
             "sigma_noise": self.sigma_noise,
             "theta_star": self.theta_star,
@@ -532,22 +565,62 @@ class FunctionalLaplace:
         if self._components is not None and self._groups is not None:
             state["groups"] = [list(g) for g in self._groups]
             state["components"] = self._components
-        return state
+        return copy_state(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a posterior over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for {len(state['subset'])} parameter tensors "
-                f"{list(state['subset'])}; this posterior covers {list(self.subset.names)}"
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        names = tuple(self.subset.names)
+        return {
+            **identity_schema(self.task, names),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "x": TensorSpec(("N", ...), None),
+            "y": TensorSpec(("N", ...), None),
+            "f": TensorSpec(("N", "C"), dt),
+            "m": TensorSpec(("N", "C"), dt),
+            "num_data": Integer(1, dim="N"),
+            "groups": Maybe(NameGroups(names, dim="G")),
+            "components": Maybe(TensorSpec(("G", "N", "C", "N", "C"), dt)),
+        }
+
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a posterior over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state,
+            self._state_schema(),
+            owner="FunctionalLaplace",
+            dims={"P": self.subset.num_params},
+        )
+        if ("groups" in valid) != ("components" in valid):
+            raise StateError(
+                "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
+                "come together"
             )
-        self.prior_precision = state["prior_precision"]
-        self.sigma_noise = state["sigma_noise"]
-        self.theta_star = state["theta_star"]
-        self._x, self._y, self._f, self._m = state["x"], state["y"], state["f"], state["m"]
-        self.num_data = int(state["num_data"])
-        self._groups = [list(g) for g in state["groups"]] if "groups" in state else None
-        self._components = state.get("components")
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="FunctionalLaplace",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        self.prior_precision = self._validate_prior(valid["prior_precision"], valid["f"].dtype)
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star = valid["theta_star"].clone()
+        self._x, self._y = valid["x"].clone(), valid["y"].clone()
+        self._f, self._m = valid["f"].clone(), valid["m"].clone()
+        self.num_data = valid["num_data"]
+        self._groups = valid.get("groups")
+        components = valid.get("components")
+        self._components = None if components is None else components.clone()
         self._direct = None
         self._sigma_fit = self.sigma_noise.clone()
         if self.task == "regression":

@@ -43,12 +43,24 @@ from gaussify.curvature.jacobian import (
     model_outputs,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
     predictive_from_gaussian,
     predictive_from_samples,
+)
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
 )
 
 __all__ = [
@@ -239,13 +251,14 @@ class SampledLLA:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         if self.task == "heteroscedastic":
             raise ValueError("likelihood: heteroscedastic outputs are not supported by SampledLLA")
         self.subset: ParameterSubset = select_parameters(model, subset)
         dtype = next(model.parameters()).dtype
         self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(self.prior_precision, self.subset)  # raises on a wrong granularity
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self.num_samples = num_samples
         self.solver: Solver = solver
         self.epochs, self.batch_size = epochs, batch_size
@@ -305,6 +318,8 @@ class SampledLLA:
                 jac=jac[idx],
             )
 
+    @transactional
+    @in_eval_mode
     def fit(self, data: Batches, *, progress: bool = False) -> SampledLLA:
         """Draw the randomisation and optimise the S randomised objectives over ``data``.
 
@@ -319,6 +334,14 @@ class SampledLLA:
         prior = self._prior_vec()
         gen = torch.Generator().manual_seed(self.seed)
         s, p = self.num_samples, self.subset.num_params
+        if self.solver == "solve":
+            check_allocation(
+                p * p,
+                dtype,
+                f"solver='solve': the P x P GGN (P = {p:,})",
+                "solver='sgd' or 'cg', or a smaller subset",
+                device=self.theta_star.device,
+            )
         self.delta0 = torch.randn(s, p, generator=gen, dtype=dtype) / prior.sqrt()
         linear = torch.zeros(s, p, dtype=dtype)
         gram = torch.zeros(p, p, dtype=dtype) if self.solver == "solve" else None
@@ -477,6 +500,7 @@ class SampledLLA:
             )
         return self.theta_star + samples[:n]
 
+    @in_eval_mode
     def objective(self, data: Batches) -> Tensor:
         """Each sample's randomised objective up to its constant (1/2 ||z||^2 + 1/2 d0^T P0
         d0), (S,): 1/2 d^T A d - d^T c. Its excess over the exact minimiser's value is the
@@ -487,6 +511,7 @@ class SampledLLA:
         ).sum(-1)
 
     # ------------------------------------------------------------------ prediction
+    @in_eval_mode
     def predict_samples(self, x: Tensor, *, chunk_size: int = 256) -> Tensor:
         """Linearised function samples f(x; theta*) + J(x) delta_s, (S, N, C)."""
         samples = self._require_fit()
@@ -503,6 +528,7 @@ class SampledLLA:
                 out.append(f + torch.einsum("ncp,sp->snc", jac, samples))
         return torch.cat(out, dim=1)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -538,31 +564,61 @@ class SampledLLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values (loadable with ``torch.load(..., weights_only=True)``)."""
+        """Tensors and plain values (loadable with ``torch.load(..., weights_only=True)``),
+        with the identity of the posterior (task, subset, fingerprint of the other weights)."""
         samples = self._require_fit()
-        return {
-            "subset": list(self.subset.names),
-            "samples": samples,
-            "theta_star": self.theta_star,
-            "delta0": self.delta0,
-            "linear_term": self.linear_term,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "num_data": self.num_data,
-            "seed": self.seed,
-        }
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "samples": samples,
+                "theta_star": self.theta_star,
+                "delta0": self.delta0,
+                "linear_term": self.linear_term,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "num_data": self.num_data,
+                "seed": self.seed,
+            }
+        )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a SampledLLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for the parameters {list(state['subset'])}, this posterior "
-                f"covers {list(self.subset.names)}"
-            )
-        self.samples, self.theta_star = state["samples"], state["theta_star"]
-        self.delta0, self.linear_term = state["delta0"], state["linear_term"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.num_data, self.seed = int(state["num_data"]), int(state["seed"])
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a SampledLLA over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        dt = self.prior_precision.dtype
+        schema = {
+            **identity_schema(self.task, self.subset.names),
+            "samples": TensorSpec(("S", "P"), dt),
+            "theta_star": TensorSpec(("P",), dt),
+            "delta0": TensorSpec(("S", "P"), dt),
+            "linear_term": TensorSpec(("S", "P"), dt),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "num_data": Integer(1),
+            "seed": Integer(0),
+        }
+        valid = validate_state(
+            state, schema, owner="SampledLLA", dims={"P": self.subset.num_params}
+        )
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="SampledLLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        prior = check_prior(valid["prior_precision"].clone())
+        expand_prior(prior, self.subset)  # the granularity fits this subset
+        self.samples, self.theta_star = valid["samples"].clone(), valid["theta_star"].clone()
+        self.delta0, self.linear_term = valid["delta0"].clone(), valid["linear_term"].clone()
+        self.prior_precision, self.sigma_noise = prior, valid["sigma_noise"].clone()
+        self.num_data, self.seed = valid["num_data"], valid["seed"]
         self.num_samples = int(self.samples.shape[0])
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)

@@ -53,8 +53,22 @@ from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, jacobians
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
 from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
-from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
+from gaussify.state import (
+    Integer,
+    Number,
+    StateError,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 
 __all__ = [
     "VaLLA",
@@ -251,6 +265,7 @@ class VaLLA:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         if self.task == "heteroscedastic":
             raise ValueError("likelihood: heteroscedastic outputs are not supported by VaLLA")
         if learn_noise and self.task != "regression":
@@ -269,7 +284,7 @@ class VaLLA:
         prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(prior, self.subset)  # raises on a wrong granularity
         self.log_prior = prior.log().requires_grad_(learn_prior)
-        sigma = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        sigma = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self.log_sigma = sigma.log().requires_grad_(learn_noise)
         self.learn_prior, self.learn_noise = learn_prior, learn_noise
         self.num_inducing = num_inducing if inducing_points is None else inducing_points.shape[0]
@@ -450,6 +465,8 @@ class VaLLA:
         centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)
         return centres.reshape(m, *x.shape[1:])
 
+    @transactional
+    @in_eval_mode
     def initialize(self, data: Batches) -> VaLLA:
         """Set theta*, N, the inducing inputs (K-means, or the given ones), the cached
         Jacobians at Z and q(u) = prior (S_v = I). Called by :meth:`fit`."""
@@ -474,6 +491,14 @@ class VaLLA:
         self.inducing_points = z.requires_grad_(self.learn_inducing)
         self.num_outputs = model_outputs(self.model, z[:1]).shape[1]
         mc = z.shape[0] * self.num_outputs
+        check_allocation(
+            mc * mc + (mc * self.subset.num_params if self.kernel == "jacobian" else 0),
+            self.theta_star.dtype,
+            f"VaLLA: the (M C)^2 inducing covariance and the (M C, P) Jacobian at the inducing "
+            f"points (M C = {mc:,}, P = {self.subset.num_params:,})",
+            "fewer inducing points (num_inducing), or kernel='ntk'",
+            device=self.theta_star.device,
+        )
         self.chol_raw = torch.zeros(mc, mc, dtype=self.theta_star.dtype, requires_grad=True)
         self._refresh_cache()
         trainable = self._trainable()
@@ -536,6 +561,7 @@ class VaLLA:
         self._require_init()
         return decoupled_kl(self.chol_v, self.theta_star, self._prior_vec())
 
+    @in_eval_mode
     def batch_objective(
         self, x: Tensor, y: Tensor, *, scale: float | None = None, chol_v: Tensor | None = None
     ) -> Tensor:
@@ -553,6 +579,7 @@ class VaLLA:
         kl = decoupled_kl(chol_v, self.theta_star, self._prior_vec())
         return factor * data - kl
 
+    @in_eval_mode
     def objective(self, data: Batches, *, batch_size: int = 256) -> Tensor:
         """The full-data objective sum_n (1/alpha) log E_q[p(y_n|f_n)^alpha] - KL (eq. 20;
         with alpha = 0 the ELBO, eq. 14). No gradients."""
@@ -571,6 +598,7 @@ class VaLLA:
             return 1.0
         return 0.5 * (1 + math.cos(math.pi * min(self._step_count, total) / total))
 
+    @in_eval_mode
     def step(self, x: Tensor, y: Tensor) -> float:
         """One optimisation step on the batch (x, y); returns the batch objective / N.
 
@@ -622,6 +650,8 @@ class VaLLA:
                 return
             self.chol_raw.copy_(torch.tril(chol_v, -1) + torch.diag_embed(chol_v.diagonal().log()))
 
+    @transactional(clone=("chol_raw",))
+    @in_eval_mode
     def set_optimal_covariance(self, data: Batches, *, batch_size: int = 256) -> VaLLA:
         """Closed-form q(u) for fixed Z and hyperparameters (VaLLA Prop. 2 / Titsias 2009):
         S_v = (I + sum_n A_n Lambda_n A_n^T)^-1, A_n = L_K^-1 K_{Z n}, Lambda_n the likelihood's
@@ -663,6 +693,8 @@ class VaLLA:
                 count += x.shape[0]
         return total / max(count, 1)
 
+    @transactional(clone=("log_prior", "log_sigma", "inducing_points", "chol_raw"))
+    @in_eval_mode
     def fit(
         self,
         train_data: Batches,
@@ -748,6 +780,7 @@ class VaLLA:
         self._refresh_cache()
 
     # ------------------------------------------------------------------ prediction
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -788,12 +821,14 @@ class VaLLA:
             return factor @ factor.T
 
     @property
+    @in_eval_mode
     def kernel_zz(self) -> Tensor:
         """K_ZZ (MC, MC), the prior covariance of the inducing outputs."""
         self._require_init()
         with torch.no_grad():
             return self._kzz()
 
+    @in_eval_mode
     def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Weight samples from q(theta) = N(theta*, Sigma_theta), (S, P), by pathwise
         conditioning: theta = theta* + e - P0^-1 J_Z^T K_ZZ^-1 (J_Z e - u), e ~ N(0, P0^-1),
@@ -818,34 +853,63 @@ class VaLLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The variational and hyperparameters plus theta* and N (plain tensors and numbers,
-        loadable with ``torch.load(..., weights_only=True)``); the network itself is not
-        included (save it separately)."""
+        """The variational and hyperparameters plus theta*, N and the identity of the
+        posterior (task, subset, fingerprint of the network's other weights); plain tensors
+        and numbers, loadable with ``torch.load(..., weights_only=True)``. The network itself
+        is not included (save it separately)."""
         self._require_init()
         state: dict[str, Any] = {k: v for k, v in self._variational_state().items()}
         state.update(
+            identity(self.task, self.subset.names, self.model),
             theta_star=self.theta_star,
             num_data=self.num_data,
-            subset=list(self.subset.names),
             alpha=self.alpha,
         )
-        return state
+        return copy_state(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a VaLLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for the parameters {list(state['subset'])}, this posterior "
-                f"covers {list(self.subset.names)}"
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a VaLLA over the same model: the whole
+        state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        dt = self.log_prior.dtype
+        schema = {
+            **identity_schema(self.task, self.subset.names),
+            "chol_raw": TensorSpec(("K", "K"), dt),
+            "log_prior": TensorSpec(tuple(self.log_prior.shape), dt),
+            "log_sigma": TensorSpec(tuple(self.log_sigma.shape), dt),
+            "inducing_points": TensorSpec(("M", ...), "float"),
+            "theta_star": TensorSpec(("P",), dt),
+            "num_data": Integer(1),
+            "alpha": Number(positive=False),
+        }
+        valid = validate_state(state, schema, owner="VaLLA", dims={"P": self.subset.num_params})
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="VaLLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        z = valid["inducing_points"]
+        if valid["chol_raw"].shape[0] % z.shape[0]:
+            raise StateError(
+                "VaLLA.load_state_dict: invalid state: 'chol_raw': expected a multiple of the "
+                f"{z.shape[0]} inducing points rows, got {valid['chol_raw'].shape[0]}"
             )
-        self.theta_star = state["theta_star"]
-        self.num_data = int(state["num_data"])
-        self.alpha = float(state["alpha"])
-        z = state["inducing_points"]
+        self.theta_star = valid["theta_star"].clone()
+        self.num_data = valid["num_data"]
+        self.alpha = valid["alpha"]
         self.inducing_points = z.clone().requires_grad_(self.learn_inducing)
-        self.chol_raw = state["chol_raw"].clone().requires_grad_(True)
-        self.log_prior = state["log_prior"].clone().requires_grad_(self.learn_prior)
-        self.log_sigma = state["log_sigma"].clone().requires_grad_(self.learn_noise)
+        self.num_outputs = valid["chol_raw"].shape[0] // z.shape[0]
+        self.chol_raw = valid["chol_raw"].clone().requires_grad_(True)
+        self.log_prior = valid["log_prior"].clone().requires_grad_(self.learn_prior)
+        self.log_sigma = valid["log_sigma"].clone().requires_grad_(self.learn_noise)
         self._gen = torch.Generator().manual_seed(self.seed)
         self._initialised = True
         self._refresh_cache()

@@ -18,6 +18,8 @@ steps reach the variational optimum.
 from __future__ import annotations
 
 from gaussify.batches import Batches, as_batches, num_examples
+from gaussify.model_checks import in_eval_mode
+from gaussify.state import transactional
 from gaussify.weight_space.ngvi import NaturalGradientVI
 from gaussify.weight_space.ngvi_math import blend_curvature
 
@@ -38,6 +40,8 @@ class GLMVI(NaturalGradientVI):
     sampling = True
     default_method = "glm"
 
+    @transactional
+    @in_eval_mode
     def init_laplace(self, data: Batches, batch_size: int = 256) -> GLMVI:
         """Set q_0 to the Laplace-GGN posterior of the GLM at theta*: mean theta*, precision
         Lambda_0 = P0 + G(theta*) with G = sum_n J_n^T Lambda(f(x_n; theta*)) J_n over ``data``

@@ -46,7 +46,15 @@ from gaussify.curvature.subset import (
     select_parameters,
 )
 from gaussify.evidence import optimize_hyperparameters
-from gaussify.likelihoods import Gaussian, Likelihood, all_finite, get_likelihood
+from gaussify.likelihoods import (
+    Gaussian,
+    Likelihood,
+    all_finite,
+    check_sigma_noise,
+    get_likelihood,
+)
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -54,8 +62,10 @@ from gaussify.predictive import (
     predictive_from_samples,
 )
 from gaussify.spectral import Spectrum, adam_maximize, build_spectrum
+from gaussify.state import transactional
 from gaussify.weight_space.joint import function_samples, joint_predictive
 from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
+from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
 
 __all__ = ["Laplace"]
 
@@ -123,6 +133,7 @@ class Laplace:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.structure = structure
         self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
         if structure == "kron":
@@ -223,18 +234,13 @@ class Laplace:
         return prior_t
 
     def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
-        sigma_t = torch.as_tensor(sigma, dtype=self._dtype).clone()
-        if sigma_t.ndim > 1:
-            raise ValueError(
-                f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma_t.shape)}"
-            )
-        if not torch.isfinite(sigma_t).all() or (sigma_t <= 0).any():
-            raise ValueError(f"sigma_noise: must be finite and > 0, got {sigma_t}")
-        return sigma_t
+        return check_sigma_noise(sigma, self.task, self._dtype).clone()
 
     # ------------------------------------------------------------------ fitting
 
+    @transactional
     @distributed.collective("Laplace.fit")
+    @in_eval_mode
     def fit(
         self,
         data: Batches,
@@ -441,7 +447,9 @@ class Laplace:
         f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
         return f + offset, offset, None
 
+    @transactional
     @distributed.collective("Laplace.refine")
+    @in_eval_mode
     def refine(
         self,
         data: Batches,
@@ -582,13 +590,26 @@ class Laplace:
 
     @property
     def posterior_precision(self) -> Tensor:
-        """Dense posterior precision (P, P)."""
+        """Dense posterior precision (P, P) (refused when P^2 exceeds the allocation limit,
+        :mod:`gaussify.memory_guard`)."""
+        self._check_dense("posterior_precision")
         return self.posterior.precision_dense()
 
     @property
     def posterior_covariance(self) -> Tensor:
-        """Dense posterior covariance (P, P)."""
+        """Dense posterior covariance (P, P) (refused like :attr:`posterior_precision`)."""
+        self._check_dense("posterior_covariance")
         return self.posterior.covariance_dense()
+
+    def _check_dense(self, what: str) -> None:
+        p = self.subset.num_params
+        check_allocation(
+            p * p,
+            self._dtype,
+            f"{what}: the dense P x P matrix (P = {p:,})",
+            "posterior_variance (the diagonal), sample(), predict(), or a smaller subset",
+            device=self.mean.device,
+        )
 
     @property
     def posterior_variance(self) -> Tensor:
@@ -648,6 +669,7 @@ class Laplace:
             )
         return value.to(dtype)
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -792,6 +814,7 @@ class Laplace:
         with torch.set_grad_enabled(x.requires_grad):
             return self.model(x)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -869,6 +892,7 @@ class Laplace:
             generator=generator,
         )
 
+    @in_eval_mode
     def function_samples(
         self,
         x: Tensor,
@@ -896,59 +920,18 @@ class Laplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to restore the fitted posterior (tensors and plain values, so
-        ``torch.load(..., weights_only=True)`` can read it)."""
+        """Everything needed to restore the fitted posterior, with the task, structure,
+        subset, theta* and a fingerprint of the network it belongs to (tensors and plain
+        values: ``torch.load(..., weights_only=True)`` reads it)."""
         self._require_fit()
-        state: dict[str, Any] = {
-            "structure": self.structure,
-            "subset": list(self.subset.names),
-            "mean": self.mean,
-            "theta_star": self.theta_star,
-            "prior_precision": self.prior_precision,
-            "prior_mean": self.prior_mean,
-            "sigma_noise": self.sigma_noise,
-            "sigma_fit": self._sigma_fit,
-            "temperature": self.temperature,
-            "num_data": self.num_data,
-            "log_lik": self._log_lik,
-            "grad": self._grad,
-            "curvature": self._curvature.state_dict(),
-        }
-        if self._sse is not None:
-            state["sse"] = self._sse
-        if self.subset.indices is not None:
-            state["subset_indices"] = self.subset.indices
-        return state
+        return laplace_state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a Laplace over the same model."""
-        mine, theirs = self.subset.indices, state.get("subset_indices")
-        if (mine is None) != (theirs is None) or (
-            mine is not None and not torch.equal(mine, torch.as_tensor(theirs))
-        ):
-            raise ValueError(
-                "state: was saved for a different subnetwork of individual weights "
-                f"({0 if theirs is None else len(theirs)} selected, this posterior has "
-                f"{0 if mine is None else len(mine)}; 0 = whole tensors)"
-            )
-        if state["structure"] != self.structure or list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                "state: was saved for structure "
-                f"{state['structure']!r} over {len(state['subset'])} parameter tensors; this "
-                f"posterior is {self.structure!r} over {len(self.subset.names)}"
-            )
-        curvature = make_curvature(
-            self.structure, self.model, self.likelihood, self.subset, **self.curvature_options
-        )
-        curvature.load_state_dict(state["curvature"])
-        self._curvature = curvature
-        self.mean, self.theta_star = state["mean"], state["theta_star"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.prior_mean = state.get("prior_mean", 0.0)
-        self._sigma_fit = state["sigma_fit"]
-        self.temperature, self.num_data = float(state["temperature"]), int(state["num_data"])
-        self._log_lik, self._grad = state["log_lik"], state["grad"]
-        self._sse = state.get("sse")
-        if self.task == "regression":
-            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
-        self._posterior = None
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a Laplace over the same model.
+
+        The whole state is validated first (:mod:`gaussify.state`): keys, task, structure,
+        subset, shapes, dtypes, NaN/inf, and the saved theta* and other weights against the
+        model's current ones (a mismatch raises; ``strict=False`` warns instead). A failed
+        load leaves the posterior as it was."""
+        load_laplace_state(self, state, strict=strict)

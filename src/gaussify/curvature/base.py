@@ -322,9 +322,12 @@ def _sum_cannot_overflow(
         if not math.isfinite(bound):
             return False
         total += (sl.stop - sl.start) * bound
-    scale = max(_max_abs(phi) ** 2, 1.0)  # phi^2 itself must be representable too
     limit = 0.25 * torch.finfo(out.dtype).max
-    return scale < limit and total * scale + _max_abs(out) < limit
+    top = _max_abs(phi)
+    if not top < math.sqrt(limit):  # phi^2 itself must be representable too (and not NaN)
+        return False
+    scale = max(top * top, 1.0)
+    return total * scale + _max_abs(out) < limit
 
 
 # --------------------------------------------------------------------------- shared base class

@@ -40,10 +40,15 @@ from gaussify import distributed
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import gaussian_log_likelihood
+from gaussify.evidence import (
+    feature_log_evidence,
+    gaussian_log_likelihood,
+    log_likelihood_supremum,
+    warn_dropped_correction,
+)
 from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
-from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
@@ -249,16 +254,16 @@ class ELLA:
             )
         self._proj = nystrom_projection(k_zz, self.eig_tol)
         r = self._proj.shape[1]
-        dtype = self._proj.dtype
         regression = self.task == "regression"
         stats: dict[str, Tensor] = {}
         num_data = 0
+        wide = torch.float64  # statistics summed in float64 (the evidence is evaluated in it)
         for x, y in batches:
-            phi = self._features(x)  # (B, R, C)
+            phi = self._features(x).to(wide)  # (B, R, C)
             f = model_outputs(self.model, x, self.chunk_size)
-            m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size)
+            m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size).to(wide)
             if regression:
-                e = y.reshape(f.shape).to(f.dtype) - f
+                e = y.reshape(f.shape).to(wide) - f.to(wide)
                 part = {
                     "gram": torch.einsum("brc,bsc->crs", phi, phi),
                     "phi_e": torch.einsum("brc,bc->cr", phi, e),
@@ -268,15 +273,15 @@ class ELLA:
                     "sse": e.square().sum(0),
                 }
             else:
-                lam_sqrt = self.likelihood.hessian_sqrt(f)
+                lam_sqrt = self.likelihood.hessian_sqrt(f).to(wide)
                 lam = lam_sqrt @ lam_sqrt.transpose(-1, -2)
-                res = self.likelihood.residual(f, y)
+                res = self.likelihood.residual(f, y).to(wide)
                 lam_m = torch.einsum("bij,bj->bi", lam, m)
                 pl = torch.einsum("brc,bca->rba", phi, lam_sqrt).reshape(r, -1)
                 part = {
                     "gram": pl @ pl.T,
                     "s": torch.einsum("brc,bc->r", phi, res - lam_m),
-                    "log_lik": self.likelihood.log_prob(f, y).sum(),
+                    "log_lik": self.likelihood.log_prob(f, y).sum().to(wide),
                     "rm": (res * m).sum(),
                     "mlm": (m * lam_m).sum(),
                 }
@@ -287,7 +292,7 @@ class ELLA:
         num_data = distributed.all_reduce_sum(num_data)
         if num_data == 0:
             raise ValueError("data: contains no examples")
-        self._stats = {k: v.to(dtype) for k, v in stats.items()}
+        self._stats = {k: v.to(wide) for k, v in stats.items()}
         self.num_data = num_data
         self._fitted = True
         self._chol = None
@@ -346,9 +351,24 @@ class ELLA:
             self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
         )
         a, s, const = self._posterior_terms(prior, sigma)
-        chol = torch.linalg.cholesky(0.5 * (a + a.T))
-        z = torch.linalg.solve_triangular(chol, s.reshape(-1, 1), upper=False)
-        value = const + 0.5 * z.square().sum() - chol.diagonal().log().sum()
+        st = self._stats
+        outputs = int(st["sse"].numel()) if self.task == "regression" else 1
+        if self.task == "regression":
+            log_lik = gaussian_log_likelihood(st["sse"], self.num_data, sigma)
+        else:
+            log_lik = st["log_lik"]
+        lik = self.likelihood if self.task != "regression" else Gaussian(sigma)
+        result = feature_log_evidence(
+            log_lik,
+            const,
+            a,
+            s,
+            supremum=log_likelihood_supremum(lik, self.num_data, outputs, sigma),
+            prior_quad=(expand_prior(prior, self.subset) * self.theta_star.square()).sum(),
+        )
+        if result.dropped:
+            warn_dropped_correction(result, self, self._stats)
+        value = result.value.to(dtype)
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
@@ -416,7 +436,9 @@ class ELLA:
         if self._chol is None:
             with torch.no_grad():
                 a, _, _ = self._posterior_terms(self.prior_precision, self.sigma_noise)
-                self._chol = torch.linalg.cholesky(0.5 * (a + a.T))
+                # factorised in float64 (the statistics' dtype), kept in the model's dtype
+                chol = torch.linalg.cholesky(0.5 * (a + a.T))
+                self._chol = chol.to(self._proj.dtype)
         return self._chol, self._factor(self.prior_precision).detach()
 
     @in_eval_mode
@@ -501,7 +523,8 @@ class ELLA:
             "sigma_noise": TensorSpec(None, dt, positive=True),
             "theta_star": TensorSpec(("P",), dt),
             "num_data": Integer(1),
-            "stats": Nested({k: TensorSpec(shape, dt) for k, shape in stats.items()}),
+            # the statistics are summed in float64 (a state in the model's dtype loads too)
+            "stats": Nested({k: TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}),
         }
 
     @transactional
@@ -530,7 +553,7 @@ class ELLA:
         self.prior_precision = check_prior(valid["prior_precision"].clone())
         self.sigma_noise = valid["sigma_noise"].clone()
         self.theta_star, self.num_data = valid["theta_star"].clone(), valid["num_data"]
-        self._stats = {k: v.clone() for k, v in valid["stats"].items()}
+        self._stats = {k: v.to(torch.float64).clone() for k, v in valid["stats"].items()}
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
         self._fitted = True

@@ -41,6 +41,12 @@ from gaussify import distributed
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.evidence import (
+    EvidenceValue,
+    apply_rule,
+    log_likelihood_supremum,
+    warn_dropped_correction,
+)
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
@@ -72,6 +78,7 @@ from gaussify.tuning import (
 __all__ = [
     "FunctionalLaplace",
     "gp_cholesky",
+    "gp_evidence",
     "gp_log_evidence",
     "gp_log_evidence_pseudo_targets",
     "gp_predictive_cov",
@@ -115,8 +122,32 @@ def gp_log_evidence(
     ``log_lik`` scalar log p(y | f(X; theta*)); ``residual (N, C)`` r = d log p / d f;
     ``lam_sqrt (N, C, C)`` L_n; ``prior_mean (N, C)`` m = -J theta* (the prior mean of the
     linearised network minus f(X; theta*)); ``kernel (N, C, N, C)``. Differentiable in every
-    argument.
+    argument; evaluated in float64 and returned in ``log_lik``'s dtype (no rule: see
+    :func:`gp_evidence`).
     """
+    return gp_evidence(log_lik, residual, lam_sqrt, prior_mean, kernel).value.to(log_lik.dtype)
+
+
+def gp_evidence(
+    log_lik: Tensor,
+    residual: Tensor,
+    lam_sqrt: Tensor,
+    prior_mean: Tensor,
+    kernel: Tensor,
+    *,
+    supremum: Tensor | None = None,
+    prior_quad: Tensor | None = None,
+) -> EvidenceValue:
+    """:func:`gp_log_evidence` in float64 (the small quantities cast: at a prior of 1e-8 the
+    kernel is 1e8 times J J^T and 1/2 v^T K v cancels against the Cholesky term) with the rule
+    of :mod:`gaussify.evidence`: with ``supremum`` (L_sup) and ``prior_quad`` (theta*^T P0
+    theta*), where the Newton model's log-likelihood at the mode, L + r^T u - 1/2 u^T Lambda u
+    with u = m + K a, a = (I + Lambda K)^-1 v = v - L B^-1 L^T K v, exceeds L_sup, the value
+    is the evidence without the correction, L - 1/2 theta*^T P0 theta* - 1/2 log det B."""
+    lik = log_lik.to(torch.float64)
+    residual, lam_sqrt, prior_mean, kernel = (
+        t.to(torch.float64) for t in (residual, lam_sqrt, prior_mean, kernel)
+    )
     lam = lam_sqrt @ lam_sqrt.transpose(-1, -2)
     lam_m = torch.einsum("nij,nj->ni", lam, prior_mean)
     v = residual - lam_m
@@ -127,7 +158,15 @@ def gp_log_evidence(
     logdet = 2.0 * chol.diagonal().log().sum()
     quad = (v * kv).sum() - z.square().sum()
     linear = (residual * prior_mean).sum() - 0.5 * (prior_mean * lam_m).sum()
-    return log_lik + linear + 0.5 * quad - 0.5 * logdet
+    value = lik + linear + 0.5 * quad - 0.5 * logdet
+    if supremum is None or prior_quad is None:
+        return EvidenceValue(value)
+    b_inv_w = torch.linalg.solve_triangular(chol.T, z, upper=True).reshape(residual.shape)
+    alpha = v - torch.einsum("nca,na->nc", lam_sqrt, b_inv_w)
+    u = prior_mean + torch.einsum("ncmd,md->nc", kernel, alpha)
+    gain = (residual * u).sum() - 0.5 * (u * torch.einsum("nij,nj->ni", lam, u)).sum()
+    base = lik - 0.5 * prior_quad.to(torch.float64) - 0.5 * logdet
+    return apply_rule(lik, gain, supremum, base, lambda: value)
 
 
 def gp_log_evidence_pseudo_targets(
@@ -366,13 +405,18 @@ class FunctionalLaplace:
         prior, sigma = self._hyper(prior_precision, sigma_noise)
         lik = self._likelihood_at(sigma)
         log_lik = lik.log_prob(self._f, self._y).sum()
-        value = gp_log_evidence(
+        result = gp_evidence(
             log_lik,
             lik.residual(self._f, self._y),
             lik.hessian_sqrt(self._f),
             self._m,
             self.train_kernel(prior),
+            supremum=log_likelihood_supremum(lik, self.num_data, self._f.shape[1], sigma),
+            prior_quad=(expand_prior(prior, self.subset) * self.theta_star.square()).sum(),
         )
+        if result.dropped:
+            warn_dropped_correction(result, self, self._m)
+        value = result.value.to(self._f.dtype)
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"

@@ -45,10 +45,6 @@ from gaussify.curvature.subset import (
     require_whole_tensors,
     select_parameters,
 )
-from gaussify.evidence import (
-    gaussian_log_likelihood,
-    laplace_log_evidence,
-)
 from gaussify.likelihoods import (
     Gaussian,
     Likelihood,
@@ -77,6 +73,7 @@ from gaussify.tuning import (
     tune_hyperparameters,
 )
 from gaussify.weight_space.joint import function_samples, joint_predictive
+from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
 from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
 
 __all__ = ["Laplace"]
@@ -104,7 +101,11 @@ class Laplace:
     approximate A (diag, kron, lowrank, EF or Monte Carlo curvature) it can exceed the largest
     gain possible (for regression, the whole residual sum of squares) and grows without bound
     as the prior precision and noise shrink, so tuning runs off to ~1e-7. Default (None): on
-    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence).
+    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence). Rule
+    (:mod:`gaussify.evidence`), for every structure: where the Newton model's log-likelihood
+    at its mode exceeds the likelihood's supremum (0 for class labels), the correction is
+    dropped with an :class:`~gaussify.warnings.EvidenceWarning`, so class labels always get
+    log Z <= 0 (far from a MAP, e.g. logits scaled x10, it gave +4420).
     ``prior_mean``: mean m0 of the Gaussian prior N(m0, P0^-1), a scalar or one value per
     parameter (e.g. the previous task's posterior mean in continual learning); default 0.
     Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)
@@ -656,7 +657,11 @@ class Laplace:
         sigma_noise: Tensor | float | None = None,
     ) -> Tensor:
         """Laplace log evidence (thesis eq. 3.17-3.18, see evidence.py), differentiable in the
-        hyperparameters; defaults to the current ones."""
+        hyperparameters; defaults to the current ones. Evaluated in float64 (returned in the
+        model's dtype) and merged per eigenvector where the structure has an eigenbasis for
+        this prior (:meth:`spectrum`); with the correction, the rule of :mod:`gaussify.evidence`
+        drops it, with an :class:`~gaussify.warnings.EvidenceWarning`, where its Newton model
+        would exceed the likelihood's supremum (so class labels always give log Z <= 0)."""
         self._require_fit()
         dtype = self.mean.dtype
         prior = (
@@ -667,28 +672,13 @@ class Laplace:
         sigma = (
             self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
         )
-        post = self.posterior_at(prior, sigma)
-        scale = self._scale(sigma)
-        if self.task == "regression":
-            assert self._sse is not None
-            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
-        else:
-            log_lik = self._log_lik / self.temperature
-        # The gradient of the tempered log-likelihood scales like the GGN: (sigma_fit/sigma)^2 / T.
-        grad = self._grad * scale
-        value = laplace_log_evidence(
-            log_lik,
-            self.mean - self.prior_mean,  # the prior N(m0, P0^-1) sees theta - m0
-            expand_prior(prior, self.subset).to(dtype),
-            post.logdet(),
-            post.solve,
-            grad if self.correction else None,
-        )
+        result = fitted_log_evidence(self, prior, sigma)
+        value = result.value
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
             )
-        return value
+        return value.to(dtype)
 
     @transactional
     def optimize_prior(
@@ -803,11 +793,7 @@ class Laplace:
         eigenvalues, eig_groups, projections = out
         sigma = self.sigma_noise
         scale = float(self._scale(sigma))
-        if self.task == "regression":
-            assert self._sse is not None
-            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
-        else:
-            log_lik = self._log_lik / self.temperature
+        log_lik, supremum = log_lik_and_supremum(self, sigma)
         tunable = tune_noise and self.task == "regression"
         sse = self._sse
         return build_spectrum(
@@ -822,6 +808,7 @@ class Laplace:
             sse=float(sse.sum()) if tunable and sse is not None else None,
             count=self.num_data * (sse.numel() if sse is not None else 1),
             param_group=groups,
+            supremum_ref=None if supremum is None else float(supremum),
         )
 
     # ------------------------------------------------------------------ prediction

@@ -355,6 +355,11 @@ def maximize(
         message = f"step budget of {max_steps} exhausted"
     elif "ABNORMAL" in message or "REDUCTION" in message:
         message = "line search stalled (no increase of log Z resolved) away from a stationary point"
+    if not converged and math.isfinite(value) and _coordinate_maximum(objective, x, value, x_tol):
+        # e.g. where the evidence switches the non-MAP correction off (gaussify.evidence): a
+        # maximum at a kink, where no gradient vanishes
+        converged = True
+        message = f"converged: no change of a hyperparameter by exp(+-{x_tol:g}) increases log Z"
     at_bound = ((x <= lo + 1.0) & (grad < 0)) | ((x >= hi - 1.0) & (grad > 0))
     if bool(at_bound.any()):
         converged = False
@@ -391,6 +396,32 @@ def _polish(
             break
         x, value, grad = trial, new_value, new_grad
     return x, value, grad
+
+
+def _coordinate_maximum(
+    objective: Callable[[np.ndarray], tuple[float, np.ndarray]],
+    x: np.ndarray,
+    value: float,
+    step: float,
+    max_size: int = 64,
+) -> bool:
+    """Whether moving any one of (at most ``max_size``) log-hyperparameters by +-``step``
+    fails to increase log Z beyond its rounding: a maximum (to ``step``) that the gradient
+    test cannot see because the evidence has a kink there."""
+    if x.size > max_size:
+        return False
+    tolerance = 1e-12 * max(1.0, abs(value))
+    for i in range(x.size):
+        for sign in (1.0, -1.0):
+            trial = x.copy()
+            trial[i] += sign * step
+            try:
+                trial_value = objective(trial)[0]
+            except _EVAL_ERRORS:
+                continue
+            if math.isfinite(trial_value) and trial_value > value + tolerance:
+                return False
+    return True
 
 
 def _grad_ok(grad: np.ndarray, value: float, grad_tol: float, rel_tol: float) -> bool:

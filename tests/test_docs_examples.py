@@ -124,7 +124,7 @@ def test_page_blocks_share_one_namespace_and_skip_no_run(tmp_path: Path) -> None
 def test_every_example_page_is_collected_and_no_run_markers_stay_few() -> None:
     pages = {p.id for p in _pages()}
     assert {"getting-started.md", "laplace.md", "vbll.md", "migrating.md"} <= pages
-    assert SLOW_PAGES <= pages, "a slow page lost its examples: update SLOW_PAGES"
+    assert pages >= SLOW_PAGES, "a slow page lost its examples: update SLOW_PAGES"
     skipped = [
         (path.name, reason)
         for path in DOCS.rglob("*.md")

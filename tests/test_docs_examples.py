@@ -11,6 +11,7 @@ required. Pages whose examples take more than a few seconds are marked slow (run
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from pathlib import Path
@@ -133,3 +134,34 @@ def test_every_example_page_is_collected_and_no_run_markers_stay_few() -> None:
     ]
     # ngvi's signature summary and migrating's two before/after columns
     assert len(skipped) <= 3, skipped
+
+
+def _api_directives() -> set[str]:
+    """The ``::: target`` directives of the API pages (what mkdocstrings renders)."""
+    found = set()
+    for path in (DOCS / "api").glob("*.md"):
+        found |= set(re.findall(r"^:::\s*(\S+)", path.read_text(), flags=re.MULTILINE))
+    return found
+
+
+def test_every_public_name_has_an_api_page() -> None:
+    import inspect
+
+    import gaussify
+
+    directives = _api_directives()
+    missing = []
+    for name in gaussify.__all__:
+        obj = getattr(gaussify, name)
+        home = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", "")
+        if f"gaussify.{name}" not in directives and home not in directives:
+            missing.append(name)
+    assert missing == [], f"public names without an API page (add a ::: directive): {missing}"
+    # every directive names something importable, so a renamed object fails here, not in mkdocs
+    for target in directives:
+        module, _, attr = target.rpartition(".")
+        try:
+            obj = importlib.import_module(target)
+        except ImportError:
+            obj = getattr(importlib.import_module(module), attr, None)
+        assert obj is not None, f"docs/api: ::: {target} does not exist"

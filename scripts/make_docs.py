@@ -65,8 +65,13 @@ def demo() -> None:
 
 def site() -> None:
     """Build the site (strict), serve it and screenshot the home and the Laplace API pages."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import site_browser
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("site_browser", ROOT / "scripts/site_browser.py")
+    assert spec is not None and spec.loader is not None
+    site_browser = importlib.util.module_from_spec(spec)
+    sys.modules["site_browser"] = site_browser  # dataclasses look their module up there
+    spec.loader.exec_module(site_browser)
 
     with tempfile.TemporaryDirectory(prefix="gaussify-site-") as tmp:
         built = Path(tmp) / "site"

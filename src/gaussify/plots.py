@@ -14,7 +14,7 @@ from torch import Tensor
 
 from gaussify.extras import require
 
-require("matplotlib", "plots", "gaussify.plots draws figures")
+require("matplotlib", "gaussify.plots (figures)")
 
 import matplotlib  # noqa: E402
 

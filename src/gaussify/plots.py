@@ -28,8 +28,10 @@ __all__ = ["plot_ood_histograms", "plot_reliability", "plot_shift", "save_figure
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Lay out ``fig``, write it to ``path`` (creating the folder) and close it."""
-    fig.tight_layout()
+    """Lay out ``fig`` (unless it has its own layout engine), write it to ``path`` (creating
+    the folder) and close it."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
@@ -37,30 +39,32 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     return path
 
 
-def _panels(count: int, size: float = 2.6, rows: int = 1) -> tuple[Figure, list]:
-    """``count`` panels in a grid of at most 3 columns (and ``rows`` stacked plots each)."""
+def _panels(count: int, size: float = 2.6) -> tuple[Figure, list]:
+    """``count`` panels in a grid of at most 3 columns, row by row."""
     cols = min(3, count)
     grid = math.ceil(count / cols)
-    fig, axes = plt.subplots(
-        grid * rows,
-        cols,
-        figsize=(size * cols + 0.4, size * grid * (1 + 0.35 * (rows - 1))),
-        squeeze=False,
-        gridspec_kw={"height_ratios": [3, 1] * grid} if rows == 2 else None,
-    )
-    return fig, axes
+    fig, axes = plt.subplots(grid, cols, figsize=(size * cols + 0.4, size * grid), squeeze=False)
+    for k in range(count, grid * cols):
+        axes[k // cols, k % cols].axis("off")
+    return fig, [axes[k // cols, k % cols] for k in range(count)]
 
 
 def plot_reliability(
     diagrams: dict[str, ReliabilityDiagram], path: str | Path, title: str = ""
 ) -> Path:
-    """One panel per method: accuracy against confidence per non-empty bin (a step outline,
-    perfect calibration on the diagonal, the gap to it shaded), above the fraction of inputs
-    in each bin; the panel's title gives the method and its ECE."""
-    fig, axes = _panels(len(diagrams), rows=2)
-    cols = axes.shape[1]
+    """One panel per method: accuracy against confidence per non-empty bin (outlined bars,
+    perfect calibration on the diagonal, the gap to the bin's mean confidence shaded), above
+    the fraction of inputs in each bin; the panel's title gives the method and its ECE."""
+    cols = min(3, len(diagrams))
+    grid = math.ceil(len(diagrams) / cols)
+    fig = plt.figure(figsize=(2.7 * cols + 0.4, 3.3 * grid), layout="constrained")
+    cells = fig.subfigures(grid, cols, squeeze=False)
+    for k in range(len(diagrams), grid * cols):
+        cells[k // cols, k % cols].set_visible(False)
     for k, (name, d) in enumerate(diagrams.items()):
-        ax, hist = axes[2 * (k // cols), k % cols], axes[2 * (k // cols) + 1, k % cols]
+        ax, hist = cells[k // cols, k % cols].subplots(
+            2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1], "hspace": 0.0}
+        )
         edges = d.edges.numpy()
         seen = (d.counts > 0).numpy()
         centres = 0.5 * (edges[:-1] + edges[1:])
@@ -84,18 +88,15 @@ def plot_reliability(
         ax.set_title(f"{name} (ECE {ece:.3f})", fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
-        ax.tick_params(labelbottom=False)
+        ax.tick_params(labelbottom=False, labelsize=7)
         hist.bar(centres, weights.numpy(), width=width, color="grey")
-        hist.set_xlim(0, 1)
         hist.set_xlabel("confidence", fontsize=8)
+        hist.tick_params(labelsize=7)
         if k % cols == 0:
-            ax.set_ylabel("accuracy")
+            ax.set_ylabel("accuracy", fontsize=8)
             hist.set_ylabel("fraction", fontsize=8)
         if k == 0:
             ax.legend(loc="upper left", fontsize=7)
-    for k in range(len(diagrams), axes.shape[0] // 2 * cols):
-        axes[2 * (k // cols), k % cols].axis("off")
-        axes[2 * (k // cols) + 1, k % cols].axis("off")
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path, dpi=120)
 
@@ -134,11 +135,10 @@ def plot_ood_histograms(
     from gaussify.metrics import auroc
 
     fig, axes = _panels(len(entropies), size=2.8)
-    cols = axes.shape[1]
     top = max(float(max(e_in.max(), e_out.max())) for e_in, e_out in entropies.values())
     bins = [top * i / 25 for i in range(26)] if top > 0 else 25
     for k, (name, (e_in, e_out)) in enumerate(entropies.items()):
-        ax = axes[k // cols, k % cols]
+        ax = axes[k]
         ax.hist(e_in.numpy(), bins=bins, histtype="step", linewidth=1.5, label="test (in)")
         ax.hist(e_out.numpy(), bins=bins, histtype="step", linewidth=1.5, label="OOD")
         scores = e_in.new_tensor([*e_in.tolist(), *e_out.tolist()])
@@ -148,7 +148,5 @@ def plot_ood_histograms(
         ax.set_xlabel("predictive entropy", fontsize=8)
         if k == 0:
             ax.legend(fontsize=7)
-    for k in range(len(entropies), axes.size):
-        axes[k // cols, k % cols].axis("off")
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)

@@ -27,10 +27,10 @@ from gaussify.metrics import ReliabilityDiagram  # noqa: E402
 __all__ = ["plot_ood_histograms", "plot_reliability", "plot_shift", "save_figure"]
 
 
-def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Lay out ``fig`` (unless it has its own layout engine), write it to ``path`` (creating
-    the folder) and close it."""
-    if fig.get_layout_engine() is None:
+def save_figure(fig: Figure, path: str | Path, dpi: int = 110, layout: bool = True) -> Path:
+    """Lay out ``fig`` (``tight_layout``, unless ``layout`` is False: placed by hand), write
+    it to ``path`` (creating the folder) and close it."""
+    if layout:
         fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,14 +57,17 @@ def plot_reliability(
     the fraction of inputs in each bin; the panel's title gives the method and its ECE."""
     cols = min(3, len(diagrams))
     grid = math.ceil(len(diagrams) / cols)
-    fig = plt.figure(figsize=(2.7 * cols + 0.4, 3.3 * grid), layout="constrained")
-    cells = fig.subfigures(grid, cols, squeeze=False)
-    for k in range(len(diagrams), grid * cols):
-        cells[k // cols, k % cols].set_visible(False)
+    height = 3.3 * grid + 0.5
+    fig = plt.figure(figsize=(2.7 * cols + 0.4, height))
+    # per row of panels: the diagram (3), its bin fractions (1), a spacer for labels (1.1)
+    spec = fig.add_gridspec(
+        3 * grid - 1, cols, height_ratios=([3, 1, 1.1] * grid)[:-1], hspace=0.0, wspace=0.3
+    )
+    fig.subplots_adjust(left=0.08, right=0.98, top=1 - 0.55 / height, bottom=0.45 / height)
     for k, (name, d) in enumerate(diagrams.items()):
-        ax, hist = cells[k // cols, k % cols].subplots(
-            2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1], "hspace": 0.0}
-        )
+        row, col = 3 * (k // cols), k % cols
+        ax = fig.add_subplot(spec[row, col])
+        hist = fig.add_subplot(spec[row + 1, col], sharex=ax)
         edges = d.edges.numpy()
         seen = (d.counts > 0).numpy()
         centres = 0.5 * (edges[:-1] + edges[1:])
@@ -98,7 +101,7 @@ def plot_reliability(
         if k == 0:
             ax.legend(loc="upper left", fontsize=7)
     fig.suptitle(title, fontsize=10)
-    return save_figure(fig, path, dpi=120)
+    return save_figure(fig, path, dpi=110, layout=False)
 
 
 def plot_shift(

@@ -4,8 +4,13 @@ Every argument is checked before any data set is read or any network trained (nu
 parsing, the demo's data set and output folder right after; see :mod:`gaussify.cli_args`). An
 error is one line, ``gaussify: error: ...``, with exit status 2; ``--debug`` shows the
 traceback instead. ``gaussify demo`` refuses an ``--out`` folder that already holds its
-``report.json`` or ``reliability.png`` unless ``--force``: the first run in a fresh folder (the
+``report.json`` or one of its figures unless ``--force``: the first run in a fresh folder (the
 README's command) just works, a second run says what is there and how to replace it.
+
+``gaussify demo`` trains a MAP network, turns it into Gaussians (Kronecker Laplace over all
+weights, full Laplace over the last layer, a post-hoc VBLL head, ELLA) and scores each on the
+test set, on shifted test sets and on an out-of-distribution set (:mod:`gaussify.demo`), so
+that the table shows where each method helps and where it costs.
 """
 
 from __future__ import annotations
@@ -270,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     p_demo = sub.add_parser(
         "demo",
         parents=[common],
-        help="MAP, Laplace, ELLA and VBLL on a bundled dataset: metrics, figure, JSON",
+        help="MAP, Laplace, VBLL and ELLA on a bundled dataset: in-distribution, shifted and "
+        "out-of-distribution metrics, figures, JSON",
     )
     p_demo.add_argument("--dataset", default=DEMO_DATASET, help="a classification dataset name")
     p_demo.add_argument("--epochs", type=positive_int, default=60)

@@ -112,8 +112,9 @@ def select_landmarks(
             rows.append(x[hit])
             offset += x.shape[0]
         return torch.cat(rows)
-    from sklearn.cluster import KMeans
+    from gaussify.extras import require
 
+    KMeans = require("sklearn.cluster", 'ELLA landmarks="kmeans"').KMeans
     x_all = torch.cat([x for x, _ in batches])
     flat = x_all.reshape(n, -1).double()
     centres = KMeans(n_clusters=num_landmarks, n_init=1, random_state=seed).fit(flat.numpy())

@@ -458,8 +458,9 @@ class VaLLA:
 
     def _kmeans(self, x: Tensor, m: int) -> Tensor:
         """M K-means centres of the (flattened) inputs (scikit-learn, seeded), shaped like x."""
-        from sklearn.cluster import KMeans
+        from gaussify.extras import require
 
+        KMeans = require("sklearn.cluster", "VaLLA's K-means inducing points").KMeans
         flat = x.detach().reshape(x.shape[0], -1).cpu().double().numpy()
         km = KMeans(n_clusters=m, n_init=1, random_state=self.seed).fit(flat)
         centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)

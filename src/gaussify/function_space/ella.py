@@ -44,6 +44,7 @@ from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.validation import check_count, check_inputs, validated_batches
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
 
@@ -182,6 +183,7 @@ class ELLA:
         """The Nystrom feature map phi(x) (N, R, C) at the fitted prior precision, with
         phi(x)^T phi(x') ~= k(x, x')."""
         self._require_fit()
+        check_inputs(x, self.model)
         return self._features(x)
 
     @property
@@ -195,8 +197,15 @@ class ELLA:
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
         """Choose the landmarks, build the feature map, and accumulate the R x R posterior
         statistics in one pass over ``data`` at the current weights theta*."""
+        batches = validated_batches(
+            data,
+            batch_size,
+            model=self.model,
+            task=self.task,
+            owner="ELLA.fit",
+            multi_pass=not isinstance(self.landmarks, Tensor),
+        )
         self.model.eval()
-        batches = as_batches(data, batch_size=batch_size)
         if isinstance(self.landmarks, Tensor):
             z = self.landmarks
             if z.ndim == 0 or z.shape[0] == 0:
@@ -372,6 +381,7 @@ class ELLA:
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, c phi*^T A^-1 phi* (N, C, C)."""
         self._require_fit()
+        check_inputs(x, self.model)
         chol, c = self._posterior_chol()
         m, r = self._z.shape[0], self.num_features
         per_input = max(1, m * r)
@@ -398,6 +408,8 @@ class ELLA:
         """Predictive N(f(x; theta*), c phi(x)^T A^-1 phi(x)) through the shared
         :class:`~gaussify.predictive.Predictive`; cost independent of the training set size."""
         self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
         if method != "glm":
             raise ValueError(
                 f"method: ELLA predicts with the linearised model 'glm', got {method!r}"

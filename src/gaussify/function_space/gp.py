@@ -44,6 +44,7 @@ from gaussify.evidence import optimize_hyperparameters
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
 from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
     "FunctionalLaplace",
@@ -213,6 +214,7 @@ class FunctionalLaplace:
         weights theta*: store the inputs, outputs f(X; theta*), the prior mean offset
         -J theta* and the training kernel (per group of parameter tensors, so the prior
         precision can be changed and tuned without recomputing Jacobians)."""
+        data = check_data(data, model=self.model, task=self.task, owner="FunctionalLaplace.fit")
         self.model.eval()
         x, y = _collect(data, batch_size)
         if self.num_data_subset is not None and x.shape[0] > self.num_data_subset:
@@ -411,6 +413,7 @@ class FunctionalLaplace:
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, (N, C, C) (eq. 3.13)."""
         self._require_fit()
+        check_inputs(x, self.model)
         chol = self.posterior_factor
         lam_sqrt = self._likelihood_at(self.sigma_noise).hessian_sqrt(self._f)
         n, c = self._f.shape
@@ -453,6 +456,8 @@ class FunctionalLaplace:
         "mc" for classification; the noise is added for regression). Function space has only
         the GLM predictive, so ``method`` must be "glm"."""
         self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
         if method != "glm":
             raise ValueError(
                 f"method: function-space posteriors predict with 'glm', got {method!r}"

@@ -55,6 +55,7 @@ from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
 from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
 from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
+from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
     "VaLLA",
@@ -427,6 +428,11 @@ class VaLLA:
         return torch.tril(raw, -1) + torch.diag_embed(raw.diagonal().exp())
 
     # ------------------------------------------------------------------ set-up
+    def _check_data(self, data: Batches, owner: str, multi_pass: bool = False) -> Batches:
+        return check_data(
+            data, model=self.model, task=self.task, owner=owner, multi_pass=multi_pass
+        )
+
     def _inputs_for_kmeans(self, data: Batches, gen: torch.Generator) -> Tensor:
         if isinstance(data, tuple):
             x = data[0]
@@ -453,6 +459,7 @@ class VaLLA:
     def initialize(self, data: Batches) -> VaLLA:
         """Set theta*, N, the inducing inputs (K-means, or the given ones), the cached
         Jacobians at Z and q(u) = prior (S_v = I). Called by :meth:`fit`."""
+        data = self._check_data(data, "VaLLA.initialize", multi_pass=True)
         self.model.eval()
         check_eval_mode(self.model)
         gen = torch.Generator().manual_seed(self.seed)
@@ -557,6 +564,7 @@ class VaLLA:
         """The full-data objective sum_n (1/alpha) log E_q[p(y_n|f_n)^alpha] - KL (eq. 20;
         with alpha = 0 the ELBO, eq. 14). No gradients."""
         self._require_init()
+        data = self._check_data(data, "VaLLA.objective")
         total = torch.zeros((), dtype=self.theta_star.dtype)
         with torch.no_grad():
             for x, y in as_batches(data, batch_size=batch_size):
@@ -630,6 +638,7 @@ class VaLLA:
         likelihoods it is the sparse Laplace-GGN covariance, a good starting point. One pass
         over the data, O(N M^2 C^2)."""
         self._require_init()
+        data = self._check_data(data, "VaLLA.set_optimal_covariance")
         with torch.no_grad():
             chol_k = self._cholesky(self._kzz())
             prec = torch.eye(chol_k.shape[0], dtype=chol_k.dtype)
@@ -656,6 +665,7 @@ class VaLLA:
 
     def validation_nll(self, data: Batches, *, batch_size: int = 256) -> float:
         """Mean negative predictive log-likelihood on ``data`` (the early-stopping score)."""
+        data = self._check_data(data, "VaLLA.validation_nll")
         total, count = 0.0, 0
         with torch.no_grad():
             for x, y in as_batches(data, batch_size=batch_size):
@@ -690,6 +700,11 @@ class VaLLA:
             raise ValueError(f"method: expected 'sgd' or 'closed_form', got {method!r}")
         if init not in ("prior", "closed_form"):
             raise ValueError(f"init: expected 'prior' or 'closed_form', got {init!r}")
+        if eval_every is not None:
+            eval_every = check_count(eval_every, "eval_every")
+        train_data = self._check_data(train_data, "VaLLA.fit", multi_pass=True)
+        if val_data is not None:
+            val_data = self._check_data(val_data, "VaLLA.fit (val_data)", multi_pass=True)
         self.initialize(train_data)
         if method == "closed_form" or init == "closed_form":
             self.set_optimal_covariance(train_data, batch_size=self.batch_size)
@@ -760,6 +775,9 @@ class VaLLA:
         """Predictive at ``x (N, ...)``: N(f(x; theta*), Sigma(x, x)) (eq. 17) through the
         likelihood (regression adds the noise; classification uses ``link``)."""
         self._require_init()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
+        chunk_size = check_count(chunk_size, "chunk_size")
         with torch.no_grad():
             chol_k = self._cholesky(self._kzz())
             chol_v = self.chol_v
@@ -799,6 +817,7 @@ class VaLLA:
         conditioning: theta = theta* + e - P0^-1 J_Z^T K_ZZ^-1 (J_Z e - u), e ~ N(0, P0^-1),
         u ~ N(0, S_u); its covariance is P0^-1 - P0^-1 J_Z^T K^-1 (K - S_u) K^-1 J_Z P0^-1."""
         self._require_init()
+        num_samples = check_count(num_samples, "num_samples")
         with torch.no_grad():
             z = self.inducing_points.detach()
             prior = self._prior_vec()

@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 from gaussify.approx_likelihoods.pseudo_targets import check_labels
-from gaussify.batches import Batches, as_batches
+from gaussify.batches import Batches
 from gaussify.last_layer.exact import augment, check_features
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.validation import check_count, validated_batches
 
 __all__ = ["ADFLastLayer", "SGDLastLayer", "adf_moments"]
 
@@ -122,8 +123,11 @@ class ADFLastLayer:
 
     def fit(self, data: Batches, batch_size: int = 256) -> ADFLastLayer:
         """Reset and absorb ``data`` point by point, in order."""
+        batches = validated_batches(
+            data, batch_size, task=self.task, owner="ADFLastLayer.fit", input_name="phi"
+        )
         self.reset()
-        for phi, y in as_batches(data, batch_size=batch_size):
+        for phi, y in batches:
             self.update(phi, y)
         return self
 
@@ -136,6 +140,7 @@ class ADFLastLayer:
         generator: torch.Generator | None = None,
     ) -> Predictive:
         """Predictive at ``phi (N, D)`` from the current Gaussian (as for the exact layer)."""
+        num_samples = check_count(num_samples, "num_samples")
         x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
         f_var = torch.einsum("nd,kde,ne->nk", x, self.covariance, x).clamp_min(0)
         pred = predictive_from_gaussian(
@@ -222,8 +227,11 @@ class SGDLastLayer:
 
     def fit(self, data: Batches, batch_size: int = 256) -> SGDLastLayer:
         """Reset and take the batches of ``data`` in order."""
+        batches = validated_batches(
+            data, batch_size, task=self.task, owner="SGDLastLayer.fit", input_name="phi"
+        )
         self.reset()
-        for phi, y in as_batches(data, batch_size=batch_size):
+        for phi, y in batches:
             self.update(phi, y)
         return self
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.predictive import Predictive
+from gaussify.validation import check_finite
 
 __all__ = [
     "VBLLHead",
@@ -55,6 +56,8 @@ def check_labels(y: Any, num: int, num_classes: int) -> Tensor:
     """Integer class labels ``y (num,)`` in ``[0, num_classes)``, else ``ValueError``."""
     if not isinstance(y, Tensor):
         raise TypeError(f"y: expected a torch.Tensor of labels, got {type(y).__name__}")
+    if y.is_floating_point() and y.ndim > 0:
+        check_finite(y, "y")  # a NaN / inf label is named as such, with its row
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(f"y: expected integer class labels, got dtype {y.dtype}")
     if y.shape != (num,):
@@ -77,8 +80,7 @@ def check_regression_targets(y: Any, num: int, out_features: int, like: Tensor) 
             f"y: expected shape ({num}, {out_features}) to match phi and out_features, "
             f"got {tuple(y.shape)}"
         )
-    if not torch.isfinite(y).all():
-        raise ValueError("y: contains NaN or inf")
+    check_finite(y, "y")
     return y.to(like)
 
 
@@ -126,6 +128,7 @@ class VBLLHead(nn.Module, ABC):
             )
         if not phi.is_floating_point():
             raise ValueError(f"phi: expected a floating point tensor, got {phi.dtype}")
+        check_finite(phi, "phi")  # one min/max reduction; the bad row only on failure
         return phi
 
     @abstractmethod

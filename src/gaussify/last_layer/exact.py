@@ -41,8 +41,9 @@ from gaussify.approx_likelihoods import (
     tune_alpha_eps,
 )
 from gaussify.approx_likelihoods.pseudo_targets import Basis, Method, check_labels
-from gaussify.batches import Batches, as_batches
+from gaussify.batches import Batches
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.validation import check_finite, validated_batches
 
 __all__ = ["ExactLastLayer", "augment", "check_features"]
 
@@ -55,8 +56,7 @@ def check_features(phi: Tensor, in_features: int, name: str = "phi") -> Tensor:
         raise TypeError(f"{name}: expected a floating-point tensor of shape (N, {in_features})")
     if phi.ndim != 2 or phi.shape[1] != in_features:
         raise ValueError(f"{name}: expected shape (N, {in_features}), got {tuple(phi.shape)}")
-    if not bool(torch.isfinite(phi).all()):
-        raise ValueError(f"{name}: features contain NaN or inf")
+    check_finite(phi, name)  # names the first bad row and NaN / inf
     return phi
 
 
@@ -187,8 +187,10 @@ class ExactLastLayer:
     ) -> ExactLastLayer:
         """Reset to the prior and condition on ``data`` (``(phi, y)`` tensors or a DataLoader of
         ``(phi, y)`` batches), one batch at a time."""
+        batches = validated_batches(
+            data, batch_size, task=self.task, owner="ExactLastLayer.fit", input_name="phi"
+        )
         self.reset()
-        batches = as_batches(data, batch_size=batch_size)
         if progress:
             from tqdm.auto import tqdm
 

@@ -134,10 +134,7 @@ class ELLA:
         chunk_size: int | None = None,
         route: Route = "auto",
     ) -> None:
-        if isinstance(num_landmarks, bool) or not isinstance(num_landmarks, int):
-            raise ValueError(f"num_landmarks: expected a positive integer, got {num_landmarks!r}")
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks: expected a positive integer, got {num_landmarks}")
+        num_landmarks = check_count(num_landmarks, "num_landmarks")
         if not isinstance(landmarks, Tensor) and landmarks not in _METHODS:
             raise ValueError(
                 f"landmarks: expected one of {_METHODS} or a tensor of inputs, got {landmarks!r}"

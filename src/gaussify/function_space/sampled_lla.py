@@ -221,22 +221,19 @@ class SampledLLA:
         jacobian_budget: int = 2**22,
         seed: int = 0,
     ) -> None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: must be a positive integer, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         _check_choice("solver", solver, ("sgd", "cg", "solve"))
         _check_choice("optimizer", optimizer, ("sgd", "adam"))
         _check_choice("schedule", schedule, ("cosine", "constant"))
         _check_choice("route", route, ("auto", "jacobian", "jvp"))
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ValueError(f"epochs: must be a non-negative integer, got {epochs!r}")
+        epochs = check_count(epochs, "epochs", minimum=0)
         if lr is not None and not lr > 0:
             raise ValueError(f"lr: must be > 0 or None (automatic), got {lr}")
         if optimizer == "adam" and lr is None:
             raise ValueError("lr: optimizer='adam' needs a learning rate")
         if momentum is not None and not 0 <= momentum < 1:
             raise ValueError(f"momentum: must be in [0, 1) or None (automatic), got {momentum}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
+        batch_size = check_count(batch_size, "batch_size")
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
@@ -491,6 +488,7 @@ class SampledLLA:
         optimisation error 1/2 (d - d_opt)^T A (d - d_opt)."""
         samples = self._require_fit()
         data = check_data(data, model=self.model, task=self.task, owner="SampledLLA.objective")
+        self._prepare_cache(data)  # the Jacobians of these data, not those of the fit
         return 0.5 * (samples * self._full_product(data, samples, self._prior_vec())).sum(-1) - (
             samples * self.linear_term
         ).sum(-1)

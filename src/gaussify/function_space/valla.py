@@ -232,13 +232,11 @@ class VaLLA:
                 "expectation: expected 'auto', 'closed_form', 'probit' or 'mc', "
                 f"got {expectation!r}"
             )
-        for name, value in (("epochs", epochs), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
-        if not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples: must be a positive integer, got {mc_samples!r}")
+        epochs = check_count(epochs, "epochs")
+        batch_size = check_count(batch_size, "batch_size")
+        if max_steps is not None:
+            max_steps = check_count(max_steps, "max_steps")
+        mc_samples = check_count(mc_samples, "mc_samples")
         if not lr > 0:
             raise ValueError(f"lr: must be > 0, got {lr}")
         if optimizer not in ("natural", "adam"):
@@ -694,8 +692,8 @@ class VaLLA:
         """
         if patience is not None and val_data is None:
             raise ValueError("val_data: early stopping (patience) needs validation data")
-        if patience is not None and (not isinstance(patience, int) or patience < 1):
-            raise ValueError(f"patience: must be a positive integer or None, got {patience!r}")
+        if patience is not None:
+            patience = check_count(patience, "patience")
         if method not in ("sgd", "closed_form"):
             raise ValueError(f"method: expected 'sgd' or 'closed_form', got {method!r}")
         if init not in ("prior", "closed_form"):

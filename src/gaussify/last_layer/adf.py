@@ -74,8 +74,7 @@ class ADFLastLayer:
             raise ValueError(f"min_ratio: must be in (0, 1), got {min_ratio}")
         if not prior_precision > 0:
             raise ValueError(f"prior_precision: must be positive, got {prior_precision}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples: must be a positive integer, got {num_samples}")
+        num_samples = check_count(num_samples, "num_samples")
         self.in_features, self.num_classes = in_features, num_classes
         self.prior_precision, self.bias = float(prior_precision), bias
         self.num_samples, self.damping, self.min_ratio = num_samples, damping, min_ratio
@@ -141,7 +140,7 @@ class ADFLastLayer:
     ) -> Predictive:
         """Predictive at ``phi (N, D)`` from the current Gaussian (as for the exact layer)."""
         num_samples = check_count(num_samples, "num_samples")
-        x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
+        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f_var = torch.einsum("nd,kde,ne->nk", x, self.covariance, x).clamp_min(0)
         pred = predictive_from_gaussian(
             x @ self.mean,
@@ -192,8 +191,7 @@ class SGDLastLayer:
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr: must be positive, got {lr}")
-        if steps < 1:
-            raise ValueError(f"steps: must be a positive integer, got {steps}")
+        steps = check_count(steps, "steps")
         self.in_features, self.num_classes, self.bias, self.dtype = (
             in_features,
             num_classes,
@@ -238,7 +236,7 @@ class SGDLastLayer:
     @torch.no_grad()
     def predict(self, phi: Tensor) -> Predictive:
         """Point-estimate predictive: ``softmax(f)`` with zero logit covariance."""
-        x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
+        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f = (x @ self.weight).to(phi.dtype)
         cov = torch.zeros(*f.shape, f.shape[-1], dtype=f.dtype)
         return Predictive(self.task, f, f_cov=cov, probs=torch.softmax(f, dim=-1))

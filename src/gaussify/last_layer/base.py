@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.predictive import Predictive
-from gaussify.validation import check_finite
+from gaussify.validation import check_count, check_finite
 
 __all__ = [
     "VBLLHead",
@@ -47,9 +47,7 @@ def check_positive(value: float, name: str) -> float:
 
 
 def _check_size(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
+    return check_count(value, name)
 
 
 def check_labels(y: Any, num: int, num_classes: int) -> Tensor:

@@ -50,12 +50,17 @@ __all__ = ["ExactLastLayer", "augment", "check_features"]
 _LOG_2PI = math.log(2 * math.pi)
 
 
-def check_features(phi: Tensor, in_features: int, name: str = "phi") -> Tensor:
-    """Validate features ``(N, in_features)``: a finite floating tensor."""
+def check_features(
+    phi: Tensor, in_features: int, name: str = "phi", *, allow_empty: bool = True
+) -> Tensor:
+    """Validate features ``(N, in_features)``: a finite floating tensor (with at least one
+    row unless ``allow_empty``)."""
     if not isinstance(phi, Tensor) or not phi.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor of shape (N, {in_features})")
     if phi.ndim != 2 or phi.shape[1] != in_features:
         raise ValueError(f"{name}: expected shape (N, {in_features}), got {tuple(phi.shape)}")
+    if phi.shape[0] == 0 and not allow_empty:
+        raise ValueError(f"{name}: contains no examples")
     check_finite(phi, name)  # names the first bad row and NaN / inf
     return phi
 
@@ -243,7 +248,7 @@ class ExactLastLayer:
 
     def logit_distribution(self, phi: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and variance ``(N, K)`` of the logits at features ``phi (N, D)``."""
-        x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
+        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f_var = torch.einsum("nd,kde,ne->nk", x, self.covariance, x)
         return x @ self.mean, f_var.clamp_min(0)
 
@@ -295,7 +300,7 @@ class ExactLastLayer:
         ``alpha_eps`` (default: the current one). The data term is reparameterised Monte Carlo
         with ``base_samples (S, N, K)`` (drawn once from ``generator`` if not given).
         """
-        phi = check_features(phi, self.in_features)
+        phi = check_features(phi, self.in_features, allow_empty=False)
         x = augment(phi, self.bias, self.dtype)
         n, d, k = x.shape[0], self.num_features, self.num_outputs
         pl = self.pseudo_likelihood

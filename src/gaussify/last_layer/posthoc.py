@@ -22,7 +22,7 @@ from gaussify.last_layer.base import VBLLHead, check_labels, check_positive
 from gaussify.last_layer.bounds import gaussian_log_prob
 from gaussify.last_layer.covariance import Dense
 from gaussify.last_layer.vbll import VBLLGenerative
-from gaussify.validation import check_finite, validated_batches
+from gaussify.validation import check_count, check_finite, validated_batches
 
 __all__ = ["GVBLLMAP", "class_covariance_map", "extract_features", "fit_posthoc"]
 
@@ -68,8 +68,9 @@ def fit_posthoc(
     """
     if optimizer not in ("lbfgs", "adam"):
         raise ValueError(f"optimizer: expected 'lbfgs' or 'adam', got {optimizer!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
+    max_iter = check_count(max_iter, "max_iter")
+    if batch_size is not None:
+        batch_size = check_count(batch_size, "batch_size")
     phi = head.check_features(phi.detach())
     if phi.shape[0] == 0:
         raise ValueError("phi: contains no examples")

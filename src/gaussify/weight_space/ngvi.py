@@ -145,16 +145,15 @@ class NaturalGradientVI:
             raise ValueError(f"structure: expected one of {STRUCTURES}, got {structure!r}")
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr <= 1:
             raise ValueError(f"lr: the step size gamma must be in (0, 1], got {lr!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected an integer S >= 1, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         if antithetic and num_samples % 2:
             raise ValueError(f"num_samples: antithetic pairs need an even S, got {num_samples}")
         if init_precision is not None and not (
             math.isfinite(init_precision) and init_precision > 0
         ):
             raise ValueError(f"init_precision: must be finite and > 0, got {init_precision!r}")
-        if num_data is not None and num_data < 1:
-            raise ValueError(f"num_data: must be a positive integer, got {num_data!r}")
+        if num_data is not None:
+            num_data = check_count(num_data, "num_data")
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task

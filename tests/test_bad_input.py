@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gaussify as gs
 from gaussify import validation
 from gaussify.approx_likelihoods import GPClassifier
+from gaussify.function_space import explain, ntk
 from gaussify.last_layer import (
     GVBLLMAP,
     VBLLBNN,
@@ -169,6 +170,7 @@ class Entry:
     owner: str | None = None
     skip: frozenset[str] = field(default_factory=frozenset)
     arg: str = ""
+    target: str = "y"
 
 
 NO_MODEL = frozenset({"dtype"})  # inputs of fixed features: the layer casts them
@@ -337,6 +339,14 @@ DATA_ENTRIES = [
         inp="phi",
         skip=NO_MODEL | {"target_width"},  # the head names its own target layout
     ),
+    Entry("VaLLA.step", lambda d: valla_fitted().step(d[0], d[1]), "pair", skip=frozenset()),
+    Entry(
+        "explain(train_x, train_y)",
+        lambda d: explain(mlp(), X[:2], d[0], d[1]),
+        "pair",
+        inp="train_x",
+        target="train_y",
+    ),
     Entry(
         "GVBLLMAP.fit",
         lambda d: GVBLLMAP(D, C).to(DTYPE).fit(d[0], d[1]),
@@ -386,6 +396,16 @@ X_ENTRIES = [
         Entry(f"{cls.__name__}.predict", _pred(lambda cls=cls: ngvi_fitted(cls), "predict"), "x")
         for cls in (gs.VOGGN, gs.OGGN, gs.LGVA, gs.GLMVI)
     ],
+    Entry("ntk", lambda x: ntk(mlp(), x), "x", inp="x1"),
+    Entry("ntk(x1, x2)", lambda x: ntk(mlp(), X, x), "x", inp="x2"),
+    Entry("explain(x_star)", lambda x: explain(mlp(), x, X, Y_CLS), "x", inp="x_star"),
+    Entry(
+        "ELLA.fit(landmarks)",
+        lambda x: gs.ELLA(mlp(), landmarks=x).fit((X, Y_CLS)),
+        "x",
+        inp="landmarks",
+        skip=frozenset({"not_tensor"}),  # a non-tensor names the landmark methods instead
+    ),
     Entry("predict_reward", lambda x: predict_reward(reward_laplace(), x), "x"),
     Entry("GPClassifier.predict", _pred(gp, "predict"), "x", skip=NO_MODEL),
     Entry("ExactLastLayer.predict", _pred(exact, "predict"), "x", inp="phi", skip=NO_MODEL),
@@ -523,13 +543,13 @@ DATA_CASES = [
         "nan_y",
         lambda e: (X, _with(_labels_float(e), 2, float("nan"))),
         ValueError,
-        lambda e: r"^y: row 2 contains NaN$",
+        lambda e: rf"^{e.target}: row 2 contains NaN$",
     ),
     Case(
         "inf_y",
         lambda e: (X, _with(_labels_float(e), 0, float("inf"))),
         ValueError,
-        lambda e: r"^y: row 0 contains inf$",
+        lambda e: rf"^{e.target}: row 0 contains inf$",
     ),
     Case(
         "width",
@@ -550,14 +570,14 @@ DATA_CASES = [
         "label_range",
         lambda e: (X, torch.where(torch.arange(N) == 4, C, Y_CLS)),
         ValueError,
-        lambda e: rf"^y: labels must be in \[0, {C}\), got range \[0, {C}\]$",
+        lambda e: rf"^{e.target}: labels must be in \[0, {C}\), got range \[0, {C}\]$",
         tasks=("classification",),
     ),
     Case(
         "target_width",
         lambda e: (X, Y_REG.expand(N, 3)),
         ValueError,
-        lambda e: r"^y: expected 1 target value\(s\) per row",
+        lambda e: rf"^{e.target}: expected 1 target value\(s\) per row",
         tasks=("regression",),
     ),
     Case(
@@ -626,6 +646,14 @@ X_CASES = [
 ]
 
 COUNT_VALUES = [0, -1, 2.5, True]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_up() -> None:
+    """One-off imports (torch.func's transforms, scikit-learn's k-means) paid once here, so
+    that the per-test durations show the tests' own cost."""
+    laplace()
+    valla_fitted()
 
 
 def _data_params() -> list[Any]:

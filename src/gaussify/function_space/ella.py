@@ -205,8 +205,7 @@ class ELLA:
         self.model.eval()
         if isinstance(self.landmarks, Tensor):
             z = self.landmarks
-            if z.ndim == 0 or z.shape[0] == 0:
-                raise ValueError("landmarks: expected a non-empty tensor of inputs (M, ...)")
+            check_inputs(z, self.model, "landmarks")  # non-empty, finite, the model's width
         else:
             z = select_landmarks(batches, self.num_landmarks, self.landmarks, self.seed, batch_size)
         self._z = z = distributed.broadcast(z)  # rank 0's landmarks under torch.distributed

@@ -55,7 +55,7 @@ from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
 from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
 from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
-from gaussify.validation import check_count, check_data, check_inputs
+from gaussify.validation import check_count, check_data, check_inputs, check_targets
 
 __all__ = [
     "VaLLA",
@@ -588,6 +588,8 @@ class VaLLA:
         (:meth:`set_optimal_covariance`). ``optimizer="adam"``: Adam on the Cholesky factor.
         """
         self._require_init()
+        check_inputs(x, self.model)
+        check_targets(y, self.task, self.num_outputs, name="y", num_rows=x.shape[0])
         decay = self._decay()
         if self._optimizer is not None:
             for group in self._optimizer.param_groups:

@@ -458,8 +458,7 @@ class GPClassifier:
     ) -> GPFitResult:
         """Maximise the log marginal likelihood from the current hyperparameters (warm start);
         see :meth:`fit`."""
-        if not isinstance(max_iter, int) or max_iter < 1:
-            raise ValueError(f"max_iter: must be a positive integer, got {max_iter!r}")
+        max_iter = check_count(max_iter, "max_iter")
         _positive(tolerance_grad, "tolerance_grad")
         targets = self._require(self._targets, "optimize")
         scale = 1.0 / targets.numel()

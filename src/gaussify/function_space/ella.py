@@ -135,6 +135,8 @@ class ELLA:
         route: Route = "auto",
     ) -> None:
         num_landmarks = check_count(num_landmarks, "num_landmarks")
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size")
         if not isinstance(landmarks, Tensor) and landmarks not in _METHODS:
             raise ValueError(
                 f"landmarks: expected one of {_METHODS} or a tensor of inputs, got {landmarks!r}"

@@ -179,14 +179,10 @@ class FunctionalLaplace:
         max_kernel_size: int = 10_000,
         route: Route = "auto",
     ) -> None:
-        if num_data_subset is not None and (
-            isinstance(num_data_subset, bool)
-            or not isinstance(num_data_subset, int)
-            or num_data_subset < 1
-        ):
-            raise ValueError(
-                f"num_data_subset: expected a positive integer or None, got {num_data_subset!r}"
-            )
+        if num_data_subset is not None:
+            num_data_subset = check_count(num_data_subset, "num_data_subset")
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size")
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task

@@ -49,7 +49,7 @@ from gaussify.curvature.jacobian import (
     resolve_subset,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
-from gaussify.validation import check_inputs
+from gaussify.validation import check_count, check_inputs
 
 __all__ = ["Route", "ntk", "ntk_components", "ntk_diag", "per_layer_modules", "prior_scales"]
 
@@ -128,6 +128,8 @@ class _KernelPlan:
         chunk_size: int | None,
     ) -> None:
         _check_route(route)
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size")
         check_eval_mode(model)
         dtype = dict(model.named_parameters())[subset.names[0]].dtype
         # a float32 model gets a float32 kernel even though Python-number priors arrive in

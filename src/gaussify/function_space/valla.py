@@ -212,10 +212,8 @@ class VaLLA:
     ) -> None:
         if num_inducing is None and inducing_points is None:
             raise ValueError("num_inducing: give the number of inducing points or inducing_points")
-        if num_inducing is not None and (
-            isinstance(num_inducing, bool) or not isinstance(num_inducing, int) or num_inducing < 1
-        ):
-            raise ValueError(f"num_inducing: must be a positive integer, got {num_inducing!r}")
+        if num_inducing is not None:
+            num_inducing = check_count(num_inducing, "num_inducing")
         if (
             num_inducing is not None
             and inducing_points is not None

@@ -7,6 +7,12 @@ them; the output is byte-for-byte deterministic (fixed zip timestamps, fixed arr
 
     python scripts/build_datasets.py            # builds into a throwaway venv + temp dir
     python scripts/build_datasets.py --keep     # keep the venv and downloads (prints where)
+    python scripts/build_datasets.py --stage sums   # only rewrite files/SHA256SUMS
+
+Every build ends by writing ``files/SHA256SUMS`` (``sha256sum`` format, so ``cd
+src/gaussify/data/files && sha256sum -c SHA256SUMS`` checks the files by hand). The library
+checks each file against it when the file is first read, so a changed file must come with a
+new ``SHA256SUMS``.
 
 What it fetches (pinned; nothing is installed into the system site-packages):
 
@@ -336,15 +342,31 @@ def extract(raw: Path, out: Path) -> None:
         classes = len(arrays["label_names"]) if "label_names" in arrays else "-"
         print(f"{name:15s} {arrays['x'].shape!s:>22s} {classes!s:>7s} {size:10d}  {digest}")
     print(f"total {total / 2**20:.2f} MiB in {out}")
+    print(f"wrote {write_sums(out)}")
+
+
+def write_sums(folder: Path) -> Path:
+    """Write ``folder/SHA256SUMS``: one ``<hex sha256>  <name>.npz`` line per file, sorted by
+    name (the format of ``sha256sum``), and return its path."""
+    lines = [
+        f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n"
+        for path in sorted(folder.glob("*.npz"))
+    ]
+    target = folder / "SHA256SUMS"
+    target.write_text("".join(lines))
+    return target
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["all", "extract"], default="all")
+    parser.add_argument("--stage", choices=["all", "extract", "sums"], default="all")
     parser.add_argument("--raw", type=Path, help="unpacked packages (stage extract)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--keep", action="store_true", help="keep the venv and downloads")
     args = parser.parse_args(argv)
+    if args.stage == "sums":
+        print(f"wrote {write_sums(args.out)}")
+        return
     if args.stage == "extract":
         if args.raw is None:
             parser.error("--stage extract needs --raw")

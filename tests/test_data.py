@@ -6,8 +6,10 @@ the data sets' original descriptions, written down here independently of the reg
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
+import importlib.util
 import socket
 from functools import cache
 from pathlib import Path
@@ -367,6 +369,137 @@ def test_loading_never_touches_the_network(monkeypatch: pytest.MonkeyPatch) -> N
         assert gd.load(name, seed=7).n == EXPECTED[name][0]
 
 
+# ------------------------------------------------------------- integrity of the files
+
+
+def test_sha256sums_lists_every_vendored_file_and_the_build_script_rewrites_it(
+    tmp_path: Path,
+) -> None:
+    folder = raw_mod.FILES_DIR
+    sums = raw_mod.recorded_sha256()
+    assert set(sums) == {p.name for p in folder.glob("*.npz")}
+    assert all(REGISTRY[n].sha256 == sums[REGISTRY[n].file] for n in REGISTRY if REGISTRY[n].file)
+    spec = importlib.util.spec_from_file_location(
+        "build_datasets", Path(__file__).parents[1] / "scripts" / "build_datasets.py"
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for name in ("iris.npz", "wine.npz"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    written = script.write_sums(tmp_path).read_text().splitlines()
+    assert written == [f"{sums[n]}  {n}" for n in ("iris.npz", "wine.npz")]
+
+
+def copy_of_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *names: str) -> Path:
+    """A copy of the vendored ``names`` in ``tmp_path``, which the loader now reads."""
+    for name in names:
+        (tmp_path / name).write_bytes((raw_mod.FILES_DIR / name).read_bytes())
+    monkeypatch.setattr(raw_mod, "FILES_DIR", tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "missing"])
+def test_corrupted_bundled_file_is_refused_naming_dataset_and_file(
+    damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = copy_of_files(tmp_path, monkeypatch, "iris.npz") / "iris.npz"
+    assert gd.load("iris").n == 150  # the intact copy loads
+    data = bytearray(path.read_bytes())
+    if damage == "flip":  # one bit in the middle of the compressed x: np.load would not notice
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[: len(data) - 100]))
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        path.unlink()
+    raw_mod.read_npz.cache_clear()
+    what = "is missing" if damage == "missing" else "is corrupted or truncated"
+    with pytest.raises(gd.CorruptDataError, match=rf"^iris: bundled file .*iris\.npz {what}"):
+        gd.load("iris")
+    with pytest.raises(ValueError, match="iris"):  # a ValueError for whoever catches those
+        gd.load("iris", seed=3)
+
+
+def test_each_file_is_hashed_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy_of_files(tmp_path, monkeypatch, "wine.npz")
+    before = raw_mod._digest.cache_info()
+    for seed in range(3):
+        raw_mod.read_npz.cache_clear()  # even when the arrays are read again
+        gd.load("wine", seed=seed)
+    after = raw_mod._digest.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+
+
+def write_npz_recorded(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, name: str, **arrays: np.ndarray
+) -> None:
+    """Write ``folder/name`` and record its digest, so that only the array checks can fail."""
+    np.savez(folder / name, **arrays)
+    sums = {**raw_mod.recorded_sha256(), name: raw_mod.sha256_of(folder / name)}
+    monkeypatch.setattr(raw_mod, "recorded_sha256", lambda: sums)
+    monkeypatch.setattr(raw_mod, "FILES_DIR", folder)
+    raw_mod.read_npz.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("x_nan", r"x: row 7 contains NaN"),
+        ("x_inf", r"x: row 7 contains Inf"),
+        ("label_high", r"y: row 7 has label 3, expected an integer in 0\.\.2 \(num_classes=3\)"),
+        ("label_negative", r"y: row 7 has label -1, expected an integer in 0\.\.2"),
+        ("label_fraction", r"y: row 7 has label 1\.5, expected an integer in 0\.\.2"),
+    ],
+)
+def test_file_with_nan_features_or_labels_out_of_range_is_refused(
+    bad: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    iris = raw_mod.read_npz("iris.npz")
+    x, y = np.array(iris.x), np.array(iris.y)
+    if bad == "x_nan":
+        x[7, 2] = np.nan
+    elif bad == "x_inf":
+        x[7, 0] = -np.inf
+    elif bad == "label_fraction":
+        y = y.astype(np.float32)
+        y[7] = 1.5
+    else:
+        y = y.astype(np.int64)
+        y[7] = 3 if bad == "label_high" else -1
+    write_npz_recorded(
+        tmp_path, monkeypatch, "iris.npz", x=x, y=y, label_names=np.asarray(iris.label_names)
+    )
+    with pytest.raises(gd.CorruptDataError, match=rf"^iris: {message}.* \(file .*iris\.npz\)"):
+        gd.load("iris")
+
+
+def test_regression_targets_and_generated_data_are_checked_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    yacht = raw_mod.read_npz("yacht.npz")
+    y = np.array(yacht.y)
+    y[300] = np.inf
+    write_npz_recorded(tmp_path, monkeypatch, "yacht.npz", x=np.array(yacht.x), y=y)
+    with pytest.raises(gd.CorruptDataError, match=r"^yacht: y: row 300 contains Inf \(file "):
+        gd.load("yacht")
+
+    spec = REGISTRY["two_moons"]
+    good = spec.reader
+
+    def wrong_labels(seed: int) -> raw_mod.RawData:
+        data = good(seed)
+        return raw_mod.RawData(data.x, np.where(np.arange(len(data.y)) == 4, 2, data.y))
+
+    monkeypatch.setitem(REGISTRY, "two_moons", dataclasses.replace(spec, reader=wrong_labels))
+    with pytest.raises(gd.CorruptDataError, match=r"^two_moons: y: row 4 has label 2.*reader"):
+        gd.load("two_moons")
+
+
 # ------------------------------------------------------------------ fashion_mnist_full
 
 
@@ -413,3 +546,20 @@ def test_fashion_full_loads_when_installed_or_says_how_to_install() -> None:
     assert (ds.n, ds.d, ds.num_classes) == EXPECTED["fashion_mnist_full"]
     assert ds.sizes == (50000, 10000, 10000) and ds.x_train.shape == (50000, 784)
     check_stratified(ds)
+
+
+def test_missing_sums_file_refuses_every_vendored_file_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(raw_mod, "SUMS_FILE", tmp_path / "SHA256SUMS")
+    raw_mod.recorded_sha256.cache_clear()
+    raw_mod.read_npz.cache_clear()
+    try:
+        assert raw_mod.recorded_sha256() == {}
+        missing = r"^glass: no SHA-256 recorded for glass\.npz .*\(the file is missing\)"
+        with pytest.raises(gd.CorruptDataError, match=missing):
+            gd.load("glass")
+        assert gd.load("two_moons").n == 1000  # generated data need no file
+    finally:
+        raw_mod.recorded_sha256.cache_clear()
+        raw_mod.read_npz.cache_clear()

@@ -54,7 +54,7 @@ def _problem(task: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.T
 
 
 def _train_map(model: nn.Module, x, y, task: str, delta: float, sigma: float) -> None:
-    lik = gs.get_likelihood(task, sigma_noise=sigma)
+    lik = gs.get_likelihood(task, sigma_noise=sigma if task == "regression" else 1.0)
     opt = torch.optim.LBFGS(
         model.parameters(), max_iter=300, tolerance_grad=1e-10, line_search_fn="strong_wolfe"
     )
@@ -69,6 +69,7 @@ def _train_map(model: nn.Module, x, y, task: str, delta: float, sigma: float) ->
 
 
 def _compare(model, x, y, task, prior, sigma, xt) -> tuple[float, float, float]:
+    sigma = sigma if task == "regression" else 1.0  # only regression has observation noise
     la = gs.Laplace(model, task, "full", prior_precision=prior, sigma_noise=sigma).fit((x, y))
     fl = FunctionalLaplace(model, task, prior_precision=prior, sigma_noise=sigma).fit((x, y))
     p_w, p_f = la.predict(xt), fl.predict(xt)
@@ -100,8 +101,9 @@ def test_equals_weight_space_full_laplace_at_map_and_away(task: str) -> None:
     # a per-parameter prior (generic kernel route) and changed hyperparameters after fit
     per_param = 0.5 + torch.rand(sub.num_params, generator=torch.Generator().manual_seed(2))
     _compare(model, x, y, task, per_param.to(DT), 0.5, xt)
-    la = gs.Laplace(model, task, "full", prior_precision=0.7, sigma_noise=0.5).fit((x, y))
-    fl = FunctionalLaplace(model, task, prior_precision=0.7, sigma_noise=0.5).fit((x, y))
+    sigma = 0.5 if task == "regression" else 1.0  # only regression has observation noise
+    la = gs.Laplace(model, task, "full", prior_precision=0.7, sigma_noise=sigma).fit((x, y))
+    fl = FunctionalLaplace(model, task, prior_precision=0.7, sigma_noise=sigma).fit((x, y))
     for prior, sigma in [(2.5, 0.5), (priors[1], 0.8)]:
         torch.testing.assert_close(
             fl.log_marginal_likelihood(prior, sigma),
@@ -141,8 +143,9 @@ def test_softmax_needs_the_full_hessian_blocks() -> None:
 @pytest.mark.parametrize("task", ["regression", "binary"])
 def test_literal_pseudo_target_form_for_invertible_lambda(task: str) -> None:
     model, x, y = _problem(task)
-    fl = FunctionalLaplace(model, task, prior_precision=0.7, sigma_noise=0.5).fit((x, y))
-    lik = gs.get_likelihood(task, sigma_noise=0.5)
+    sigma = 0.5 if task == "regression" else 1.0  # only regression has observation noise
+    fl = FunctionalLaplace(model, task, prior_precision=0.7, sigma_noise=sigma).fit((x, y))
+    lik = gs.get_likelihood(task, sigma_noise=sigma)
     f = model(x).detach()
     kernel = fl.train_kernel()
     m = -jvp(model, x, "all", select_parameters(model).flatten(dict(model.named_parameters())))

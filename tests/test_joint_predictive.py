@@ -14,7 +14,8 @@ def _fitted(structure: str, task: str) -> tuple[gs.Laplace, torch.Tensor]:
     model = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, c)).double()
     x = torch.randn(40, 2, dtype=torch.float64)
     y = torch.randn(40, 1).double() if task == "regression" else torch.randint(0, 3, (40,))
-    la = gs.Laplace(model, task, structure, prior_precision=0.5, sigma_noise=0.3)
+    sigma = 0.3 if task == "regression" else 1.0  # only regression has observation noise
+    la = gs.Laplace(model, task, structure, prior_precision=0.5, sigma_noise=sigma)
     la.fit((x, y))
     return la, torch.randn(5, 2, dtype=torch.float64)
 

@@ -43,7 +43,8 @@ def _laplace(task: str, structure: str, trained: bool = False, **options: object
     x, y = _data(task)
     if trained:  # near a MAP, where the evidence has an interior optimum in the prior
         gs.train_map(model, (x, y), task, prior_precision=0.7, epochs=300, lr=1e-2, seed=0)
-    la = gs.Laplace(model, task, structure, prior_precision=0.7, sigma_noise=0.4, **options)
+    sigma = 0.4 if task == "regression" else 1.0  # only regression has observation noise
+    la = gs.Laplace(model, task, structure, prior_precision=0.7, sigma_noise=sigma, **options)
     return la.fit((x, y))
 
 

@@ -1,4 +1,12 @@
-"""The ``gaussify`` command: ``gaussify datasets`` and ``gaussify demo``."""
+"""The ``gaussify`` command: ``gaussify datasets``, ``gaussify demo`` and ``gaussify experiment``.
+
+Every argument is checked before any data set is read or any network trained (numbers while
+parsing, the demo's data set and output folder right after; see :mod:`gaussify.cli_args`). An
+error is one line, ``gaussify: error: ...``, with exit status 2; ``--debug`` shows the
+traceback instead. ``gaussify demo`` refuses an ``--out`` folder that already holds its
+``report.json`` or ``reliability.png`` unless ``--force``: the first run in a fresh folder (the
+README's command) just works, a second run says what is there and how to replace it.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,16 @@ from torch import nn
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.cli_args import (
+    ArgumentParser,
+    UsageError,
+    add_progress_argument,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    prepare_output_dir,
+    run_reporting_errors,
+)
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
 
@@ -25,6 +43,8 @@ DEMO_LAPLACE = (
     ("laplace-kron", "kron", "all"),
     ("laplace-ll-full", "full", "last_layer"),
 )
+#: the files ``gaussify demo`` writes into ``--out``
+DEMO_OUTPUTS = ("report.json", "reliability.png")
 
 
 def _datasets(_: argparse.Namespace) -> int:
@@ -42,9 +62,10 @@ def _datasets(_: argparse.Namespace) -> int:
         )
         for s in specs
     ]
-    widths = [min(max(len(row[i]) for row in table), 48) for i in range(len(header))]
-    for row in table:
-        print("  ".join(cell[:48].ljust(w) for cell, w in zip(row, widths, strict=True)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:  # every cell in full; the last column is not padded
+        cells = [cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=False)]
+        print("  ".join([*cells, row[-1]]))
     print(f"\n{len(specs)} datasets; nothing is downloaded (see data/SOURCES.md).")
     return 0
 
@@ -60,15 +81,37 @@ def _mlp(d_in: int, d_out: int, width: int) -> nn.Module:
     )
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from gaussify.plots import plot_reliability
+def _check_demo(args: argparse.Namespace) -> Path:
+    """Refuse a demo request before any work: the data set must be a known, installed
+    classification set; ``--out`` must be a folder that can be created and written and does
+    not already hold the demo's files (unless ``--force``). Returns the (created) folder."""
+    if args.dataset not in gdata.REGISTRY:
+        raise UsageError(
+            f"argument --dataset: unknown data set {args.dataset!r}; {_demo_choices()}"
+        )
+    spec = gdata.info(args.dataset)
+    if spec.task != "classification":
+        raise UsageError(
+            f"argument --dataset: {args.dataset!r} is a {spec.task} data set, the demo needs "
+            f"a classification one; {_demo_choices()}"
+        )
+    if not gdata.is_available(args.dataset):
+        gdata.load(args.dataset)  # raises the error that says how to install it
+    return prepare_output_dir(args.out, "--out", DEMO_OUTPUTS, force=args.force)
 
+
+def _demo_choices() -> str:
+    return "choose one of " + ", ".join(gdata.list(task="classification", available_only=True))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    out = _check_demo(args)
+    from gaussify.plots import plot_reliability  # after the checks: matplotlib is slow to load
+
+    replaced = [name for name in DEMO_OUTPUTS if (out / name).exists()]
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     ds = gdata.load(args.dataset, seed=args.seed)
-    if ds.task != "classification":
-        print(f"dataset: the demo needs a classification dataset, {args.dataset!r} is {ds.task}")
-        return 2
     d_in = int(torch.tensor(ds.x_train.shape[1:]).prod())
     model = _mlp(d_in, ds.num_classes, args.width)
     print(
@@ -84,7 +127,7 @@ def _demo(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         lr=args.lr,
         seed=args.seed,
-        progress=True,
+        progress=args.progress,
     )
     results: dict[str, dict[str, float]] = {}
     diagrams = {}
@@ -96,7 +139,7 @@ def _demo(args: argparse.Namespace) -> int:
     hyper: dict[str, dict[str, float]] = {}
     for name, structure, subset in DEMO_LAPLACE:
         la = Laplace(model, "classification", structure, subset, args.prior_precision)
-        la.fit(train, progress=True).optimize_prior()
+        la.fit(train, progress=args.progress).optimize_prior()
         pred = la.predict(ds.x_test, method="glm", link="probit")
         assert pred.probs is not None
         results[name] = metrics.classification_metrics(pred.probs, ds.y_test)
@@ -109,7 +152,7 @@ def _demo(args: argparse.Namespace) -> int:
     from gaussify.experiments.vbll_classification import demo_vbll
 
     body = model[:-1]  # the MAP network without its output layer: the features of a VBLL head
-    name, vbll_probs = demo_vbll(ds, body, mode="posthoc", seed=args.seed, progress=True)
+    name, vbll_probs = demo_vbll(ds, body, mode="posthoc", seed=args.seed, progress=args.progress)
     results[name] = metrics.classification_metrics(vbll_probs, ds.y_test)
     diagrams[name] = metrics.reliability_diagram(vbll_probs, ds.y_test)
 
@@ -119,8 +162,6 @@ def _demo(args: argparse.Namespace) -> int:
     results["ella"] = metrics.classification_metrics(fs_probs, ds.y_test)
     diagrams["ella"] = metrics.reliability_diagram(fs_probs, ds.y_test)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     figure = plot_reliability(
         diagrams, out / "reliability.png", title=f"{ds.name}: reliability (test)"
     )
@@ -142,47 +183,72 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"\n{'method':<16}" + "".join(f"{k:>9}" for k in ("acc", "nll", "ece", "brier")))
     for name, m in results.items():
         print(f"{name:<16}" + "".join(f"{m[k]:>9.4f}" for k in ("acc", "nll", "ece", "brier")))
-    print(f"\nwrote {out / 'report.json'} and {figure} in {report['seconds']} s")
+    note = f" (replaced the earlier {' and '.join(replaced)})" if replaced else ""
+    print(f"\nwrote {out / 'report.json'} and {figure} in {report['seconds']} s{note}")
     return 0
 
 
 def _experiment(args: argparse.Namespace) -> int:
     from gaussify import experiments
 
-    return int(experiments.get(args.name).main(args.rest))
+    if args.name is None:
+        print("gaussify experiment NAME [options]: reproduce a paper's table or figure\n")
+        summaries = experiments.summaries()
+        width = max(map(len, summaries))
+        for name, summary in summaries.items():
+            print(f"  {name.ljust(width)}  {summary}")
+        print("\n'gaussify experiment NAME --help' lists the options of one experiment.")
+        return 0
+    rest = [a for a in args.rest if a != "--debug"]
+    return int(experiments.get(args.name).main(rest))
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify", description="Gaussian approximate inference for deep learning."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_data = sub.add_parser("datasets", help="list the bundled offline datasets")
+    debug_help = "show the traceback of an error instead of one line"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    p_data = sub.add_parser("datasets", parents=[common], help="list the bundled offline datasets")
     p_data.set_defaults(func=_datasets)
     p_demo = sub.add_parser(
-        "demo", help="MAP, Laplace, ELLA and VBLL on a bundled dataset: metrics, figure, JSON"
+        "demo",
+        parents=[common],
+        help="MAP, Laplace, ELLA and VBLL on a bundled dataset: metrics, figure, JSON",
     )
     p_demo.add_argument("--dataset", default=DEMO_DATASET, help="a classification dataset name")
-    p_demo.add_argument("--epochs", type=int, default=60)
-    p_demo.add_argument("--width", type=int, default=50)
-    p_demo.add_argument("--lr", type=float, default=3e-3)
-    p_demo.add_argument("--prior-precision", type=float, default=1.0)
-    p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--epochs", type=positive_int, default=60)
+    p_demo.add_argument("--width", type=positive_int, default=50, help="hidden units (50)")
+    p_demo.add_argument("--lr", type=positive_float, default=3e-3)
+    p_demo.add_argument("--prior-precision", type=positive_float, default=1.0)
+    p_demo.add_argument("--seed", type=nonnegative_int, default=0)
     p_demo.add_argument("--out", default="gaussify-demo", help="folder for report and figure")
+    p_demo.add_argument(
+        "--force", action="store_true", help="replace report.json and reliability.png in --out"
+    )
+    add_progress_argument(p_demo)
     p_demo.set_defaults(func=_demo)
     from gaussify.experiments import EXPERIMENTS
 
-    p_exp = sub.add_parser("experiment", help="reproduce a paper table or figure")
-    p_exp.add_argument("name", choices=EXPERIMENTS)
+    p_exp = sub.add_parser(
+        "experiment",
+        help="reproduce a paper table or figure (no name: list them)",
+        description="Reproduce a paper's table or figure; without a name, list the experiments.",
+    )
+    p_exp.add_argument("name", nargs="?", choices=EXPERIMENTS, help="omit to list them")
     p_exp.add_argument("rest", nargs=argparse.REMAINDER, help="the experiment's own options")
     p_exp.set_defaults(func=_experiment)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gaussify`` console script."""
+    """Entry point of the ``gaussify`` console script: the exit status (0 ok, 2 refused)."""
     args = _parser().parse_args(argv)
-    return int(args.func(args))
+    debug = bool(args.debug) or (args.command == "experiment" and "--debug" in args.rest)
+    return run_reporting_errors(lambda: args.func(args), debug=debug)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ __all__ = [
     "Likelihood",
     "LikelihoodName",
     "all_finite",
+    "check_sigma_noise",
     "get_likelihood",
 ]
 
@@ -129,13 +130,7 @@ class Gaussian:
             if isinstance(sigma_noise, Tensor)
             else torch.as_tensor(sigma_noise, dtype=torch.float64)
         )
-        if sigma.ndim > 1:
-            raise ValueError(
-                f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma.shape)}"
-            )
-        if not torch.isfinite(sigma).all() or (sigma <= 0).any():
-            raise ValueError(f"sigma_noise: must be finite and > 0, got {sigma}")
-        self.sigma_noise = sigma
+        self.sigma_noise = check_sigma_noise(sigma, "regression")
 
     def _sigma(self, f: Tensor) -> Tensor:
         sigma = self.sigma_noise.to(dtype=f.dtype, device=f.device)
@@ -355,9 +350,39 @@ _REGISTRY: dict[str, type] = {
 }
 
 
+def check_sigma_noise(
+    sigma_noise: float | Tensor, task: str, dtype: torch.dtype | None = None
+) -> Tensor:
+    """``sigma_noise`` as a tensor (in ``dtype`` if given): a scalar or one value per output
+    (C,); a one-element (1,) tensor is the scalar it holds (so it broadcasts over any number
+    of outputs). Every entry must be finite and > 0. Only a regression likelihood has
+    observation noise: for any other ``task`` the noise would be ignored, so a value other
+    than 1 raises instead."""
+    sigma = torch.as_tensor(sigma_noise, dtype=dtype)
+    if sigma.ndim > 1:
+        raise ValueError(
+            f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma.shape)}"
+        )
+    if sigma.ndim == 1 and sigma.shape[0] == 1:
+        sigma = sigma.reshape(())
+    if not torch.isfinite(sigma.detach()).all() or (sigma.detach() <= 0).any():
+        raise ValueError(f"sigma_noise: must be finite and > 0, got {sigma.detach()}")
+    if task != "regression" and not bool((sigma.detach() == 1).all()):
+        raise ValueError(
+            f"sigma_noise: only a regression (Gaussian) likelihood has observation noise; a "
+            f"{task!r} likelihood would ignore sigma_noise={sigma.detach().tolist()}, leave it "
+            "at 1"
+        )
+    return sigma
+
+
 def get_likelihood(likelihood: str | Likelihood, sigma_noise: float | Tensor = 1.0) -> Likelihood:
     """Resolve a likelihood name (laplace-torch's ``"regression"``/``"classification"`` work)
-    or pass a likelihood object through unchanged."""
+    or pass a likelihood object through unchanged. ``sigma_noise`` is checked against the
+    likelihood's task (:func:`check_sigma_noise`: a value other than 1 for a likelihood
+    without observation noise raises)."""
+    if not isinstance(likelihood, str) and isinstance(likelihood, Likelihood):
+        check_sigma_noise(sigma_noise, str(getattr(likelihood, "task", "")))
     if isinstance(likelihood, str):
         key = likelihood.lower()
         if key not in _REGISTRY:
@@ -366,6 +391,7 @@ def get_likelihood(likelihood: str | Likelihood, sigma_noise: float | Tensor = 1
                 "or pass an object with log_prob/residual/hessian/inverse_link/sample"
             )
         cls = _REGISTRY[key]
+        check_sigma_noise(sigma_noise, cls.task)
         return cls(sigma_noise) if cls is Gaussian else cls()
     if isinstance(likelihood, Likelihood):
         return likelihood

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from gaussify.batches import Batches, num_examples
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.model_checks import warn_if_squashed_output
 from gaussify.validation import check_count, validated_batches
 
 __all__ = ["GaussianLogPrior", "TrainHistory", "log_prior", "train_map"]
@@ -104,6 +105,7 @@ def train_map(
         raise ValueError(f"scheduler: expected 'cosine' or 'none', got {scheduler!r}")
     prior_term = GaussianLogPrior(model, prior_precision)  # built once, not every step
     lik = get_likelihood(likelihood, sigma_noise=sigma_noise)
+    warn_if_squashed_output(model, lik.task)
     generator = None
     if seed is not None:
         torch.manual_seed(seed)

@@ -50,6 +50,7 @@ from gaussify.approx_likelihoods.pseudo_targets import (
     check_labels,
     pseudo_likelihood,
 )
+from gaussify.memory_guard import check_allocation
 from gaussify.predictive import Predictive, laplace_bridge, probit
 from gaussify.validation import check_count, check_finite
 
@@ -377,6 +378,14 @@ class GPClassifier:
         if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 2:
             raise ValueError(f"num_classes: must be an integer >= 2, got {num_classes!r}")
         y = check_labels(y, num_classes)
+        latent, n = (num_classes if self.basis == "log" else 1), x.shape[0]
+        check_allocation(
+            latent * n * n,
+            self.dtype,
+            f"GPClassifier: the {latent} N x N kernel matrices and their Cholesky factors "
+            f"(N = {n:,})",
+            "a random subset of the training points, or ExactLastLayer / VBLL heads on features",
+        )
         self.num_classes = num_classes
         self._x = x.to(self.dtype)
         self._targets, self._noise = self.pseudo_targets(y, num_classes)

@@ -36,6 +36,7 @@ from gaussify.curvature.lastlayer import (
 )
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood, all_finite
+from gaussify.memory_guard import check_allocation
 
 __all__ = [
     "CholeskyPrecision",
@@ -43,6 +44,13 @@ __all__ = [
     "FullGGN",
     "gram",
 ]
+
+
+#: What to use instead of a P x P matrix that does not fit (memory_guard messages).
+FULL_ALTERNATIVES = (
+    "structure='diag', 'kron' or 'lowrank', or a smaller subset ('last_layer', named "
+    "modules, or a subnetwork of individual weights)"
+)
 
 
 def gram(products: Tensor) -> Tensor:
@@ -310,6 +318,13 @@ class FullGGN(GaussNewtonCurvature):
         #: features (O(N C^2 D^2)) instead of the per-sample products (O(N C^3 D^2))
         self.kron_features = kron_features
         p = self.num_params
+        check_allocation(
+            p * p,
+            self.dtype,
+            f"structure='full': the P x P GGN (P = {p:,} parameters)",
+            FULL_ALTERNATIVES,
+            device=self.device,
+        )
         self._ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
         self._blocks = syrk_blocks(p)
         self._mirror_pending = False  # upper blocks of _ggn not yet copied from the lower ones

@@ -88,6 +88,7 @@ from gaussify.curvature.subset import (
     require_whole_tensors,
 )
 from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.memory_guard import check_allocation
 
 __all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
 
@@ -713,6 +714,19 @@ class KronGGN:
         self._offsets = _subset_offsets(subset)
         ref = next(iter(subset.params(model).values()))
         dd = {"dtype": ref.dtype, "device": ref.device}
+
+        def big_side(ly: _Layer) -> int:
+            return max(ly.a_dim, ly.out_features)
+
+        big = max(self._layers, key=big_side, default=None)
+        check_allocation(
+            sum(ly.a_dim**2 + ly.out_features**2 for ly in self._layers),
+            ref.dtype,
+            "structure='kron': the Kronecker factors"
+            + ("" if big is None else f" (largest: {big.path!r}, side {big_side(big):,})"),
+            "structure='diag' or 'lowrank', or a subset without that layer",
+            device=ref.device,
+        )
         self._a = {ly.path: torch.zeros(ly.a_dim, ly.a_dim, **dd) for ly in self._layers}
         self._b = {
             ly.path: torch.zeros(ly.out_features, ly.out_features, **dd) for ly in self._layers

@@ -31,7 +31,7 @@ from gaussify.curvature.base import (
     check_offset,
     cholesky_psd,
 )
-from gaussify.curvature.full import gram
+from gaussify.curvature.full import FULL_ALTERNATIVES, gram
 from gaussify.curvature.jacobian import (
     SubsetLike,
     auto_chunk_size,
@@ -48,6 +48,7 @@ from gaussify.curvature.lastlayer import (
 )
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
+from gaussify.memory_guard import check_allocation
 
 __all__ = ["LowRankGGN", "LowRankPrecision", "diag_remainder", "top_eigenpairs"]
 
@@ -299,6 +300,7 @@ class LowRankGGN(GaussNewtonCurvature):
     def _dense_ggn(self) -> Tensor:
         assert self._model is not None
         p = self.num_params
+        check_allocation(p * p, self.dtype, f"the dense P x P GGN (P = {p:,})", FULL_ALTERNATIVES)
         ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
         for b in self._batches:
             for block in self._products(self._model, b.x, b.y, b.f, b.phi, b.draws):

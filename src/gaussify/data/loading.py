@@ -11,8 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from gaussify.data import raw as raw_files
 from gaussify.data.dataset import Dataset
-from gaussify.data.raw import RawData, read_npz
+from gaussify.data.raw import CorruptDataError, RawData, read_npz
 from gaussify.data.registry import REGISTRY, DatasetSpec, Task
 from gaussify.data.splits import (
     check_fractions,
@@ -162,20 +163,59 @@ def _check_max_train(max_train: object) -> int | None:
 
 
 def _read(spec: DatasetSpec, seed: int) -> RawData:
+    """The raw arrays of ``spec``, checked: the file's SHA-256 (in :func:`read_npz`), then
+    the shapes against the registry, finite features and targets, and integer labels in
+    ``0..num_classes-1``. Anything else raises :class:`CorruptDataError` naming the data set
+    and where its rows came from."""
     if spec.file is not None:
-        raw = read_npz(spec.file)
+        raw = read_npz(spec.file, spec.name)
+        where = f"file {raw_files.FILES_DIR / spec.file}"
     elif spec.reader is not None:
         raw = spec.reader(seed if spec.data_seed is None else spec.data_seed)
+        where = f"reader {getattr(spec.reader, '__qualname__', spec.reader)!s}"
     else:  # pragma: no cover - guarded by the registry tests
         raise RuntimeError(f"{spec.name}: registry entry has neither a file nor a reader")
     rows = raw.x.shape[0]
     features = int(np.prod(raw.x.shape[1:]))
     if rows != spec.n or features != spec.d or raw.y.shape != (rows,):
-        raise RuntimeError(
+        raise CorruptDataError(
             f"{spec.name}: data have x {raw.x.shape}, y {raw.y.shape}; the registry says "
-            f"n={spec.n}, d={spec.d}"
+            f"n={spec.n}, d={spec.d} ({where})"
         )
+    _check_values(spec, raw, where)
     return raw
+
+
+def _first_row(bad: np.ndarray) -> int:
+    """Index of the first row of ``bad`` (N, ...) with any True entry."""
+    return int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])
+
+
+def _check_values(spec: DatasetSpec, raw: RawData, where: str) -> None:
+    """Raise :class:`CorruptDataError` at the first non-finite feature or target, or label
+    that is not an integer in ``0..num_classes-1``."""
+
+    def fail(what: str) -> None:
+        raise CorruptDataError(f"{spec.name}: {what} ({where}); {raw_files.REBUILD_HINT}")
+
+    for label, a in (("x", raw.x), ("y", raw.y)):
+        if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
+            row = _first_row(~np.isfinite(a))
+            kind = "NaN" if np.isnan(a[row]).any() else "Inf"
+            fail(f"{label}: row {row} contains {kind}")
+        elif not np.issubdtype(a.dtype, np.number) and not np.issubdtype(a.dtype, np.bool_):
+            fail(f"{label}: expected numbers, got dtype {a.dtype}")
+    if spec.task != "classification" or len(raw.y) == 0:
+        return
+    classes = int(spec.num_classes or 0)
+    y = raw.y
+    bad = (y != np.round(y)) | (y < 0) | (y >= classes)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        fail(
+            f"y: row {row} has label {y[row].item()!r}, expected an integer in "
+            f"0..{classes - 1} (num_classes={classes})"
+        )
 
 
 def _choose_parts(

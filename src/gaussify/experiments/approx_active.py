@@ -17,7 +17,6 @@ probit predictive, 200 steps, 8 seeds.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Sequence
@@ -28,7 +27,15 @@ from typing import Any
 import torch
 
 from gaussify import data as gdata
-from gaussify.experiments._report import add_output_arguments, report
+from gaussify.cli_args import ArgumentParser, positive_int
+from gaussify.experiments._report import (
+    add_output_arguments,
+    add_progress_argument,
+    check_outputs,
+    progress_bar,
+    report,
+    run_main,
+)
 from gaussify.last_layer.active import active_learning
 from gaussify.plots import save_figure
 
@@ -118,6 +125,7 @@ def run(
     prior_precision: float = 1.0,
     levels: Sequence[float] = (0.75, 0.78, 0.9, 0.95),
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> ActiveResults:
     """Run the active-learning loop for every data set, method, acquisition and seed.
 
@@ -148,7 +156,12 @@ def run(
     threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    for ds_name in chosen:  # every name checked before the first one is run
+        if gdata.info(ds_name).num_classes != 2:
+            raise ValueError(f"datasets: {ds_name} is not a binary classification set")
     records: list[dict[str, Any]] = []
+    runs = len(chosen) * len(seed_list) * len(methods) * len(acquisitions)
+    bar = progress_bar(progress, runs, "active learning")
     try:
         for ds_name in chosen:
             for seed in seed_list:
@@ -191,7 +204,9 @@ def run(
                                 "seconds": time.perf_counter() - t0,
                             }
                         )
+                        bar.update()
     finally:
+        bar.close()
         torch.set_num_threads(threads)
     curves: dict[str, dict[str, dict[str, list[float]]]] = {}
     reach: list[dict[str, Any]] = []
@@ -277,28 +292,31 @@ def plot(result: ActiveResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_active [options]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment approx_active",
         description="Bui Sec. 4.3 / Fig. 5: active learning of a Bayesian logistic regression "
         "with logit-basis Gaussian pseudo-likelihoods, max-entropy vs random acquisition.",
     )
     parser.add_argument("--datasets", nargs="+", default=None, help="magic breast_cancer")
-    parser.add_argument("--seeds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--pool-size", type=int, default=2000)
+    parser.add_argument("--seeds", type=positive_int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument("--pool-size", type=positive_int, default=2000)
     parser.add_argument("--quick", action="store_true", help="breast_cancer, 1 seed, 20 steps")
     add_output_arguments(parser, "write the curves PNG")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         datasets=args.datasets,
         seeds=args.seeds,
         quick=args.quick,
         steps=args.steps,
         pool_size=args.pool_size,
+        progress=args.progress,
     )
     title = "Test accuracy / NLL (mean over seeds) against labelled points"
     return report(res, args, title=title, plot=plot)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

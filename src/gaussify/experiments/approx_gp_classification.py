@@ -29,8 +29,8 @@ of a kernel shared by both classes on ionosphere, per method, at the paper's ``a
 
 from __future__ import annotations
 
-import argparse
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,7 +43,8 @@ import torch
 from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods.gp_classification import GPClassifier
-from gaussify.experiments._report import write_json
+from gaussify.cli_args import ArgumentParser, positive_float, positive_int
+from gaussify.experiments._report import add_progress_argument, check_outputs, run_main, write_json
 
 __all__ = [
     "DATASETS",
@@ -378,6 +379,7 @@ def run(
                     f"[{k + 1}/{len(tasks)}] {name} split {split} {method}: "
                     f"err {rec['error']:.3f} nll {rec['nll']:.3f} ece {rec['ece']:.3f} "
                     f"alpha {rec['alpha_eps']:g} ({rec['fit_s_all']:.1f} s)",
+                    file=sys.stderr,
                     flush=True,
                 )
     finally:
@@ -517,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_gp_classification [options]``; prints the table
     (ours, paper Table 5 in parentheses), writes JSON with ``--output`` and the Fig. 3
     landscape with ``--figure``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment approx_gp_classification",
         description="Bui, Table 3/5 and Fig. 3: GP classification as heteroscedastic GP "
         "regression with Gaussian likelihood approximations.",
@@ -525,26 +527,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--datasets", nargs="+", default=None, help="default: " + " ".join(DATASETS)
     )
-    parser.add_argument("--splits", type=int, default=3, help="number of splits (seeds 0..)")
+    parser.add_argument(
+        "--splits", type=positive_int, default=3, help="number of splits (seeds 0..)"
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument(
         "--alpha-grid",
         nargs="+",
-        type=float,
+        type=positive_float,
         default=None,
         help="select alpha_eps on the training likelihood from these values (default: the "
         "Fig. 3 values, no selection; the paper's protocol, e.g. 0.01 0.05 0.1, costs one fit "
         "per value)",
     )
-    parser.add_argument("--max-train", type=int, default=DEFAULT_MAX_TRAIN)
-    parser.add_argument("--max-test", type=int, default=DEFAULT_MAX_TEST)
-    parser.add_argument("--num-samples", type=int, default=1000, help="MC samples (1000)")
+    parser.add_argument("--max-train", type=positive_int, default=DEFAULT_MAX_TRAIN)
+    parser.add_argument("--max-test", type=positive_int, default=DEFAULT_MAX_TEST)
+    parser.add_argument("--num-samples", type=positive_int, default=1000, help="MC samples (1000)")
     parser.add_argument("--quick", action="store_true", help="2 data sets, 2 splits, N = 300")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--figure", type=Path, default=None, help="write the Fig. 3 PNG here")
     parser.add_argument("--no-table", action="store_true", help="only the figure")
-    parser.add_argument("--progress", action="store_true", help="print one line per fit")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     payload: dict[str, Any] = {}
     if not args.no_table:
         res = run(
@@ -582,4 +587,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -26,7 +26,6 @@ Scaled from the paper (full MNIST / Fashion-MNIST streams on a GPU) to the shipp
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Sequence
@@ -39,7 +38,15 @@ from torch import Tensor
 
 from gaussify import data as gdata
 from gaussify import metrics
-from gaussify.experiments._report import add_output_arguments, report
+from gaussify.cli_args import ArgumentParser, positive_float, positive_int
+from gaussify.experiments._report import (
+    add_output_arguments,
+    add_progress_argument,
+    check_outputs,
+    progress_bar,
+    report,
+    run_main,
+)
 from gaussify.last_layer.adf import ADFLastLayer, SGDLastLayer
 from gaussify.last_layer.exact import ExactLastLayer
 from gaussify.plots import save_figure
@@ -279,6 +286,7 @@ def run(
     num_test: int | None = None,
     keep: bool = False,
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> StreamingResults:
     """Stream ``num_points`` training points of each data set through every learner and
     record the test curves (see the module docstring). ``seeds``: a count (0..n-1) or a list;
@@ -302,6 +310,14 @@ def run(
     unknown = [m for m in methods if m not in METHODS + BASELINES]
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; choose from {METHODS + BASELINES}")
+    for ds_name in chosen:  # every data set checked before the first one is streamed
+        if gdata.info(ds_name).task != "classification":
+            raise ValueError(f"datasets: {ds_name} is not a classification data set")
+        n_train = len(gdata.load(ds_name, seed=seed_list[0]).y_train)
+        if num_points > n_train:
+            raise ValueError(
+                f"num_points: {ds_name} has {n_train} training points, got {num_points}"
+            )
     threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -331,6 +347,7 @@ def run(
         notes=[],
         runtime_s=0.0,
     )
+    bar = progress_bar(progress, len(chosen) * len(seed_list), "streaming", unit="stream")
     try:
         for ds_name in chosen:
             for seed in seed_list:
@@ -371,7 +388,9 @@ def run(
                 if keep:
                     result.learners[(ds_name, seed)] = learners
                     result.features[(ds_name, seed)] = (phi, y, phi_test, y_test)
+                bar.update()
     finally:
+        bar.close()
         torch.set_num_threads(threads)
     for ds_name in chosen:
         per_method: dict[str, dict[str, list[float]]] = {}
@@ -466,20 +485,22 @@ def plot(result: StreamingResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_streaming [options]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment approx_streaming",
         description="Bui Sec. 4.3 / Fig. 4: streaming random-feature last layers with Gaussian "
         "likelihood approximations (exact Kalman updates) vs ADF and SGD with momentum.",
     )
     parser.add_argument("--datasets", nargs="+", default=None, help="default mnist fashion_mnist")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--num-points", type=int, default=2000)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=10)
-    parser.add_argument("--prior-logit-var", type=float, default=10.0)
+    parser.add_argument("--seeds", type=positive_int, default=3)
+    parser.add_argument("--num-points", type=positive_int, default=2000)
+    parser.add_argument("--width", type=positive_int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=10)
+    parser.add_argument("--prior-logit-var", type=positive_float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 200 points")
     add_output_arguments(parser, "write the Fig. 4 PNG")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         datasets=args.datasets,
         seeds=args.seeds,
@@ -488,10 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         width=args.width,
         batch_size=args.batch_size,
         prior_logit_var=args.prior_logit_var,
+        progress=args.progress,
     )
     title = "Test log-likelihood ± s.e. (accuracy) against points seen"
     return report(res, args, title=title, plot=plot)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -22,7 +22,6 @@ epochs (digits 30) of AdamW (lr 1e-3, decoupled weight decay 1e-4, batch 64), th
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Sequence
@@ -37,7 +36,15 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods import GaussianApproxLoss
 from gaussify.approx_likelihoods.pseudo_targets import SUPPORTED_BASES
-from gaussify.experiments._report import add_output_arguments, report
+from gaussify.cli_args import ArgumentParser, positive_float, positive_int
+from gaussify.experiments._report import (
+    add_output_arguments,
+    add_progress_argument,
+    check_outputs,
+    progress_bar,
+    report,
+    run_main,
+)
 from gaussify.plots import save_figure
 
 __all__ = [
@@ -279,6 +286,7 @@ def run(
     noise: float = 0.1,
     keep: bool = False,
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> ApproxTrainingResults:
     """Train the CNN with each loss on each data set and seed; evaluate on the test part.
 
@@ -334,6 +342,10 @@ def run(
         records=records,
         runtime_s=0.0,
     )
+    runs = sum(
+        len([c for c in _configs(b, alphas) if methods is None or c[0] in methods]) for _, b in jobs
+    )
+    bar = progress_bar(progress, runs * len(seed_list), "training", unit="network")
     try:
         for ds_name, basis in jobs:
             configs = [c for c in _configs(basis, alphas) if methods is None or c[0] in methods]
@@ -391,7 +403,9 @@ def run(
                     records.append(rec)
                     if keep:
                         result.predictions[(ds_name, basis, method, alpha, seed)] = kept
+                    bar.update()
     finally:
+        bar.close()
         torch.set_num_threads(threads)
     for ds_name, basis in jobs:
         for method, alpha in _configs(basis, alphas):
@@ -453,22 +467,28 @@ def plot(result: ApproxTrainingResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_training [options]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment approx_training",
         description="Bui Sec. 4.1 / Tables 1, 2, 4: a small CNN trained with cross-entropy and "
         "with each Gaussian likelihood approximation (ACC, NLL, ECE, OOD AUROC).",
     )
     parser.add_argument("--datasets", nargs="+", default=None, help="mnist fashion_mnist digits")
     parser.add_argument("--binary-datasets", nargs="*", default=None, help="default mnist")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--max-train", type=int, default=2000)
-    parser.add_argument("--epochs", type=int, default=None, help="default 10 (digits 30)")
+    parser.add_argument("--seeds", type=positive_int, default=3)
+    parser.add_argument("--max-train", type=positive_int, default=2000)
+    parser.add_argument("--epochs", type=positive_int, default=None, help="default 10 (digits 30)")
     parser.add_argument(
-        "--alphas", nargs="+", type=float, default=None, help="Table 4 sweep, e.g. 0.01 0.05 0.1"
+        "--alphas",
+        nargs="+",
+        type=positive_float,
+        default=None,
+        help="Table 4 sweep, e.g. 0.01 0.05 0.1",
     )
     parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 1 epoch")
     add_output_arguments(parser, "write a PNG of the table")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         datasets=args.datasets,
         binary_datasets=args.binary_datasets,
@@ -477,9 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         max_train=args.max_train,
         epochs=args.epochs,
         alphas=args.alphas,
+        progress=args.progress,
     )
     return report(res, args, title="Test metrics, mean ± s.e. over seeds", plot=plot)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

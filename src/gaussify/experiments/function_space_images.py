@@ -27,7 +27,6 @@ scaled for a 2-core CPU:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -42,6 +41,12 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
+from gaussify.cli_args import ArgumentParser, finite_float, nonnegative_int, positive_int
+from gaussify.experiments._report import (
+    add_progress_argument,
+    check_outputs,
+    run_main,
+)
 from gaussify.experiments.function_space_regression import (
     WEIGHT_SPACE,
     run_datasets,
@@ -228,6 +233,7 @@ def run(
     valla_epochs: int = 3,
     keep_predictions: bool = False,
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> ImageResults:
     """The table (and rotation sweep) for each data set. ``quick=True``: 300 training and 200
     test images, width 16, 2 epochs, FL on 30 points, M = 20, angles (0, 90).
@@ -257,7 +263,7 @@ def run(
         "valla_epochs": valla_epochs,
         "quick": quick,
     }
-    records = run_datasets(_run_dataset, cfg, keep_predictions, num_threads)
+    records = run_datasets(_run_dataset, cfg, keep_predictions, num_threads, progress)
     return ImageResults(records, cfg, _notes(records), time.perf_counter() - start)
 
 
@@ -369,19 +375,21 @@ def demo_function_space(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment function_space_images [--quick] [--output J]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment function_space_images",
         description="VaLLA Sec. 5.3 scaled: MNIST / FMNIST with LLA variants, OOD and rotation.",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes")
     parser.add_argument("--datasets", nargs="+", default=None)
     parser.add_argument("--methods", nargs="+", default=None)
-    parser.add_argument("--angles", type=float, nargs="+", default=None)
-    parser.add_argument("--max-train", type=int, default=None)
-    parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--angles", type=finite_float, nargs="+", default=None)
+    parser.add_argument("--max-train", type=positive_int, default=None)
+    parser.add_argument("--epochs", type=positive_int, default=None)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         quick=args.quick,
         datasets=args.datasets,
@@ -390,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         max_train=args.max_train,
         epochs=args.epochs,
         seed=args.seed,
+        progress=args.progress,
     )
     print(res.table())
     for note in res.notes:
@@ -403,4 +412,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -25,7 +25,6 @@ CQM (eq. 22). Here the same comparison runs on the two largest bundled regressio
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -39,6 +38,13 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
+from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_int
+from gaussify.experiments._report import (
+    add_progress_argument,
+    check_outputs,
+    progress_bar,
+    run_main,
+)
 from gaussify.predictive import Predictive
 
 __all__ = [
@@ -234,6 +240,7 @@ def run(
     sampled_epochs: int = 2,
     keep_predictions: bool = False,
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> RegressionResults:
     """The table for each data set in ``datasets`` (default :data:`DATASETS`). ``quick=True``:
     power only, 300 training rows, a 3 x 32 MLP, 2 epochs, M = 20, FL on 100 points.
@@ -245,6 +252,9 @@ def run(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; choose from {METHODS}")
+    for name in datasets:  # every name checked before the first one is trained
+        if gs.data.info(name).task != "regression":
+            raise ValueError(f"datasets: {name!r} is not a regression data set")
     cfg: dict[str, Any] = {
         "datasets": datasets,
         "methods": methods,
@@ -260,7 +270,7 @@ def run(
         "sampled_epochs": sampled_epochs,
         "quick": quick,
     }
-    records = run_datasets(_run_dataset, cfg, keep_predictions, num_threads)
+    records = run_datasets(_run_dataset, cfg, keep_predictions, num_threads, progress)
     return RegressionResults(records, cfg, _notes(records), time.perf_counter() - start)
 
 
@@ -269,18 +279,24 @@ def run_datasets(
     cfg: dict[str, Any],
     keep: bool,
     num_threads: int | None,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """The records of ``run_dataset(name, cfg["methods"], cfg, keep)`` for each name in
     ``cfg["datasets"]``, concatenated, with torch on ``num_threads`` threads meanwhile (the
-    previous count restored after; None leaves it). Shared with ``function_space_images``."""
+    previous count restored after; None leaves it), with a progress bar over the data sets
+    when ``progress``. Shared with ``function_space_images``."""
     before = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     records: list[dict[str, Any]] = []
+    bar = progress_bar(progress, len(cfg["datasets"]), "function-space LLA", unit="data set")
     try:
         for name in cfg["datasets"]:
+            bar.set_postfix(dataset=name)
             records += run_dataset(name, cfg["methods"], cfg, keep)
+            bar.update()
     finally:
+        bar.close()
         torch.set_num_threads(before)
     return records
 
@@ -341,18 +357,20 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment function_space_regression [--quick] [--output J]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment function_space_regression",
         description="VaLLA Sec. 5.2 scaled: LLA variants on the largest bundled regression sets.",
     )
     parser.add_argument("--quick", action="store_true", help="power, 300 rows, small MLP")
     parser.add_argument("--datasets", nargs="+", default=None)
     parser.add_argument("--methods", nargs="+", default=None)
-    parser.add_argument("--max-train", type=int, default=None)
-    parser.add_argument("--epochs", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-train", type=positive_int, default=None)
+    parser.add_argument("--epochs", type=positive_int, default=None)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         quick=args.quick,
         datasets=args.datasets,
@@ -360,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         max_train=args.max_train,
         epochs=args.epochs,
         seed=args.seed,
+        progress=args.progress,
     )
     print("Test metrics in standardised units (lower is better)")
     print(res.table())
@@ -374,4 +393,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

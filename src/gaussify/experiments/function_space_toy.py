@@ -25,7 +25,6 @@ NLL is at least as good as ELLA's; :attr:`ToyResults.notes` states whether it is
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,15 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
-from gaussify.experiments._report import add_output_arguments, report
+from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_int
+from gaussify.experiments._report import (
+    add_output_arguments,
+    add_progress_argument,
+    check_outputs,
+    progress_bar,
+    report,
+    run_main,
+)
 from gaussify.plots import save_figure
 from gaussify.predictive import Predictive
 
@@ -120,6 +127,7 @@ def run(
     seed: int = 0,
     figure: str | Path | None = None,
     num_threads: int | None = 1,
+    progress: bool = False,
 ) -> ToyResults:
     """Train the MLP, fit LLA and the three approximations, score them; ``figure`` writes the
     four-panel PNG. ``quick=True``: width 20, 600 training steps, M in (5, 10), 150 VaLLA
@@ -137,9 +145,11 @@ def run(
     before = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    bar = progress_bar(progress, 3 + 2 * len(ms), "1-D toy", unit="fit")
     try:
-        res = _run(ms, figure_m, width, epochs, valla_steps, sampled_samples, seed)
+        res = _run(ms, figure_m, width, epochs, valla_steps, sampled_samples, seed, bar)
     finally:
+        bar.close()
         torch.set_num_threads(before)
     res.config.update(quick=quick, num_threads=num_threads)
     res.runtime_s = time.perf_counter() - start
@@ -149,8 +159,16 @@ def run(
 
 
 def _run(
-    ms: list[int], figure_m: int, width: int, epochs: int, valla_steps: int, samples: int, seed: int
+    ms: list[int],
+    figure_m: int,
+    width: int,
+    epochs: int,
+    valla_steps: int,
+    samples: int,
+    seed: int,
+    bar: Any = None,
 ) -> ToyResults:
+    bar = bar if bar is not None else progress_bar(False, None, "")
     ds = gs.data.load("valla_toy", seed=seed, dtype=torch.float64, standardize=False)
     x, y = ds.x_train, ds.y_train
     parts = {
@@ -175,6 +193,7 @@ def _run(
         batch_size=x.shape[0],
         seed=seed,
     )
+    bar.update()
     model.eval()
     records: list[dict[str, Any]] = []
     preds: dict[str, dict[str, Predictive]] = {}
@@ -184,6 +203,7 @@ def _run(
         rec: dict[str, Any] = {"method": method, "m": m, "fit_s": fit_s}
         rec.update({f"nll_{p}": _nll(pr[p], parts[p][1]) for p in PARTS})
         records.append(rec)
+        bar.update()
         if m is None or m == figure_m:
             preds[method] = pr
 
@@ -307,22 +327,25 @@ def plot(result: ToyResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment function_space_toy [--quick] [--figure F] [--output J]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment function_space_toy",
         description="VaLLA paper Fig. 1: LLA vs VaLLA, ELLA and Sampled-LLA on a 1-D toy.",
     )
     parser.add_argument("--quick", action="store_true", help="small network, few steps")
-    parser.add_argument("--num-inducing", type=int, nargs="+", default=None)
-    parser.add_argument("--figure-m", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-inducing", type=positive_int, nargs="+", default=None)
+    parser.add_argument("--figure-m", type=positive_int, default=10)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     add_output_arguments(parser, "write the PNG here")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         quick=args.quick,
         num_inducing=args.num_inducing,
         figure_m=args.figure_m,
         seed=args.seed,
         figure=args.figure,
+        progress=args.progress,
     )
     title = (
         f"LLA hyperparameters: prior precision {res.hyper['prior_precision']:.4g}, "
@@ -332,4 +355,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -17,7 +17,6 @@ thousand Adam steps, which makes its curves noisy at laptop scale.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
@@ -31,7 +30,8 @@ from torch import Tensor, nn
 
 from gaussify import data as gdata
 from gaussify import metrics
-from gaussify.experiments._report import write_json
+from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_float, positive_int
+from gaussify.experiments._report import add_progress_argument, check_outputs, run_main, write_json
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
 
@@ -332,28 +332,33 @@ def plot(res: MarglikResults, path: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment marglik_selection [options]``; prints both sweeps, writes
     the figure (``--figure``) and JSON (``--output``)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment marglik_selection",
         description="Immer thesis Sec. 5.1: Laplace-GGN evidence vs prior precision and width.",
     )
     parser.add_argument("--quick", action="store_true", help="tiny grids (seconds)")
-    parser.add_argument("--deltas", type=float, nargs="+", default=None)
-    parser.add_argument("--widths", type=int, nargs="+", default=None)
-    parser.add_argument("--width-deltas", type=float, nargs="+", default=None)
-    parser.add_argument("--depth", type=int, default=1, help="hidden layers, delta sweep (1)")
-    parser.add_argument("--width", type=int, default=50, help="hidden units, delta sweep (50)")
-    parser.add_argument("--epochs", type=int, default=None, help="MAP Adam steps (3000)")
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deltas", type=positive_float, nargs="+", default=None)
+    parser.add_argument("--widths", type=positive_int, nargs="+", default=None)
+    parser.add_argument("--width-deltas", type=positive_float, nargs="+", default=None)
+    parser.add_argument(
+        "--depth", type=positive_int, default=1, help="hidden layers, delta sweep (1)"
+    )
+    parser.add_argument(
+        "--width", type=positive_int, default=50, help="hidden units, delta sweep (50)"
+    )
+    parser.add_argument("--epochs", type=positive_int, default=None, help="MAP Adam steps (3000)")
+    parser.add_argument("--lr", type=positive_float, default=1e-2)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     parser.add_argument("--figure", type=Path, default=None, help="write the PNG here")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--no-progress", action="store_true")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         deltas=args.deltas,
         widths=args.widths,
         quick=args.quick,
-        progress=not args.no_progress,
+        progress=args.progress,
         width_deltas=args.width_deltas,
         depth=args.depth,
         width=args.width,
@@ -384,4 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -31,7 +31,6 @@ row and GLM in the bottom row.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Sequence
@@ -43,8 +42,15 @@ import torch
 from torch import Tensor, nn
 
 import gaussify as gs
+from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_int
 from gaussify.curvature.jacobian import jacobians
-from gaussify.experiments._report import add_output_arguments, report
+from gaussify.experiments._report import (
+    add_output_arguments,
+    add_progress_argument,
+    check_outputs,
+    report,
+    run_main,
+)
 from gaussify.predictive import Predictive
 from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN
 
@@ -406,31 +412,36 @@ def plot(res: PredictiveResults, folder: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment ngvi_predictive [options]``; prints the table, writes JSON
     with ``--output`` and the two figures into the folder ``--figure``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment ngvi_predictive",
         description="Immer thesis Sec. 5.2: Laplace-GGN, VOGGN, LGVA and OGGN with the "
         "NN-sampling and GLM predictives on a 1-D regression toy and banana.",
     )
     parser.add_argument("--toys", nargs="+", default=list(TOYS), choices=TOYS)
-    parser.add_argument("--steps", type=int, default=600, help="NGVI steps (600)")
-    parser.add_argument("--map-epochs", type=int, default=2000, help="MAP Adam steps (2000)")
-    parser.add_argument("--width", type=int, default=20, help="hidden units per layer (20)")
-    parser.add_argument("--depth", type=int, default=2, help="hidden layers (2)")
-    parser.add_argument("--num-samples", type=int, default=4, help="S per NGVI step (4)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--steps", type=positive_int, default=600, help="NGVI steps (600)")
+    parser.add_argument(
+        "--map-epochs", type=positive_int, default=2000, help="MAP Adam steps (2000)"
+    )
+    parser.add_argument(
+        "--width", type=positive_int, default=20, help="hidden units per layer (20)"
+    )
+    parser.add_argument("--depth", type=nonnegative_int, default=2, help="hidden layers (2)")
+    parser.add_argument("--num-samples", type=positive_int, default=4, help="S per NGVI step (4)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
+    add_progress_argument(parser)
     add_output_arguments(parser, "folder for ngvi_regression.png and ngvi_banana.png")
     args = parser.parse_args(argv)
+    check_outputs(args, folders={"figure": ("ngvi_regression.png", "ngvi_banana.png")})
     torch.set_num_threads(args.threads)
     res = run(
         args.toys, width=args.width, depth=args.depth, map_epochs=args.map_epochs,
         steps=args.steps, num_samples=args.num_samples, seed=args.seed,
-        progress=not args.no_progress, keep_grid=args.figure is not None,
+        progress=args.progress, keep_grid=args.figure is not None,
     )  # fmt: skip
     title = "Thesis Sec. 5.2: test NLL and gap NLL (regression) / accuracy (banana)"
     return report(res, args, title=title, plot=plot)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -31,7 +31,6 @@ and the module's documentation in docs/laplace.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -49,6 +48,20 @@ from torch import Tensor, nn
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.cli_args import (
+    ArgumentParser,
+    UsageError,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    prepare_output_dir,
+)
+from gaussify.experiments._report import (
+    add_progress_argument,
+    check_input_file,
+    check_outputs,
+    run_main,
+)
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
 from gaussify.weight_space.glm_vi import GLMVI
@@ -628,6 +641,9 @@ def run(
         unknown = [d for d in chosen if d not in available]
         if unknown:
             raise ValueError(f"datasets: unknown {unknown}; available: {sorted(available)}")
+        regression = [d for d in chosen if gdata.info(d).task != "classification"]
+        if regression:
+            raise ValueError(f"datasets: {regression} are regression data sets, not classification")
     if isinstance(splits, int):
         if splits <= 0:
             raise ValueError(f"splits: must be a positive integer, got {splits}")
@@ -763,34 +779,47 @@ def merge(base: dict[str, Any], new: UCIResults | dict[str, Any]) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment uci_classification [options]``; prints the NLL table
     (ours, paper in parentheses) and writes JSON with ``--output``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment uci_classification",
         description="Immer, Korzepa & Bauer (2021) Table 1: UCI classification, "
         "GLM vs BNN predictive of a full-GGN Laplace posterior.",
     )
     parser.add_argument("--datasets", nargs="+", default=None, help="default: all of Table 1")
-    parser.add_argument("--splits", type=int, default=10, help="number of splits (seeds 0..)")
+    parser.add_argument(
+        "--splits", type=positive_int, default=10, help="number of splits (seeds 0..)"
+    )
     parser.add_argument("--quick", action="store_true", help="2 splits, 3 deltas, 2 data sets")
-    parser.add_argument("--epochs", type=int, default=None, help="MAP Adam steps (3000)")
-    parser.add_argument("--lr", type=float, default=None, help="MAP learning rate (1e-2)")
-    parser.add_argument("--grid-size", type=int, default=None, help="prior precisions (10)")
-    parser.add_argument("--num-samples", type=int, default=None, help="MC samples (1000)")
-    parser.add_argument("--n-jobs", type=int, default=1, help="worker processes (1)")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="MAP Adam steps (3000)")
+    parser.add_argument("--lr", type=positive_float, default=None, help="MAP learning rate (1e-2)")
+    parser.add_argument(
+        "--grid-size", type=positive_int, default=None, help="prior precisions (10)"
+    )
+    parser.add_argument("--num-samples", type=positive_int, default=None, help="MC samples (1000)")
+    parser.add_argument("--n-jobs", type=positive_int, default=1, help="worker processes (1)")
     parser.add_argument("--methods", nargs="+", default=None, help=f"subset of {METHODS}")
-    parser.add_argument("--split-seeds", nargs="+", type=int, default=None, help="explicit")
-    parser.add_argument("--vi-steps", type=int, default=None, help="GLM-VI steps (30)")
+    parser.add_argument(
+        "--split-seeds", nargs="+", type=nonnegative_int, default=None, help="explicit"
+    )
+    parser.add_argument("--vi-steps", type=positive_int, default=None, help="GLM-VI steps (30)")
     parser.add_argument("--map-cache", type=Path, default=None, help="reuse MAP weights here")
     parser.add_argument(
         "--merge", type=Path, default=None, help="add the computed methods to this results JSON"
     )
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
+    check_input_file(args.merge, "--merge")
+    if args.merge is not None and args.output is None:
+        raise UsageError("argument --merge: needs --output (where the merged results go)")
+    base = None if args.merge is None else json.loads(args.merge.read_text())  # read it now
+    if args.map_cache is not None:
+        prepare_output_dir(args.map_cache, "--map-cache", (), force=True)
     res = run(
         datasets=args.datasets,
         splits=args.split_seeds if args.split_seeds else args.splits,
         quick=args.quick,
-        progress=not args.no_progress,
+        progress=args.progress,
         epochs=args.epochs,
         lr=args.lr,
         grid_size=args.grid_size,
@@ -807,8 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"runtime {res.runtime_s:.1f} s")
     if args.output is not None:
         out = res.to_dict()
-        if args.merge is not None:
-            out = merge(json.loads(args.merge.read_text()), res)
+        if base is not None:
+            out = merge(base, res)
             print(f"Merged into {args.merge}: test NLL, ours (paper Table 1), all methods")
             print(UCIResults.from_dict(out).table("nll"))
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -818,4 +847,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -27,7 +27,6 @@ G-VBLL (App. D.2). D-VBLL probabilities average the softmax over Monte Carlo log
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import time
@@ -42,8 +41,15 @@ from torch import Tensor, nn
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.cli_args import ArgumentParser, positive_int
 from gaussify.data import Dataset
-from gaussify.experiments._report import print_summary, write_json
+from gaussify.experiments._report import (
+    add_progress_argument,
+    check_outputs,
+    print_summary,
+    run_main,
+    write_json,
+)
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
 from gaussify.plots import save_figure
 
@@ -743,29 +749,30 @@ def demo_vbll(
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m gaussify.experiments.vbll_classification [options]``: the image-set
     table (``--output`` JSON) and the half-moons figure (``--figure``)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment vbll_classification",
         description="Harrison et al. (2024): D-/G-VBLL vs a MAP softmax head on MNIST / "
         "Fashion-MNIST subsets (ACC, ECE, NLL, OOD AUROC) and the half-moons G-VBLL figure.",
     )
     parser.add_argument("--datasets", nargs="+", default=None, help="mnist, fashion_mnist")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=None, help="default 15")
+    parser.add_argument("--seeds", type=positive_int, default=3)
+    parser.add_argument("--epochs", type=positive_int, default=None, help="default 15")
     parser.add_argument("--features", choices=("mlp", "cnn"), default="mlp")
-    parser.add_argument("--max-train", type=int, default=None)
+    parser.add_argument("--max-train", type=positive_int, default=None)
     parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 2 epochs")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--figure", type=Path, default=None, help="write the half-moons PNG")
     parser.add_argument("--skip-images", action="store_true", help="only the figure")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     payload: dict[str, Any] = {}
     if not args.skip_images:
         res = run(
             datasets=args.datasets,
             seeds=args.seeds,
             quick=args.quick,
-            progress=not args.no_progress,
+            progress=args.progress,
             features_kind=args.features,
             epochs=args.epochs,
             max_train=args.max_train,
@@ -791,4 +798,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -42,7 +42,6 @@ the Python overhead (tests check it against the plain loop).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import time
@@ -58,7 +57,8 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from gaussify import data as gdata
 from gaussify import metrics
-from gaussify.experiments._report import report
+from gaussify.cli_args import ArgumentParser, positive_int
+from gaussify.experiments._report import add_progress_argument, check_outputs, report, run_main
 from gaussify.last_layer import VBLLRegression
 from gaussify.last_layer.base import VBLLHead
 from gaussify.weight_space import Laplace
@@ -862,26 +862,29 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m gaussify.experiments.vbll_uci [options]``; prints the table (ours vs
     the paper's Table 2) and writes JSON with ``--output``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="gaussify experiment vbll_uci",
         description="Harrison et al. (2024) Table 2: UCI regression with VBLL, MAP and "
         "last-layer Laplace (App. G.2 protocol).",
     )
     parser.add_argument("--datasets", nargs="+", default=None, help="default: all shipped")
-    parser.add_argument("--seeds", type=int, default=20, help="number of seeds (0..n-1)")
+    parser.add_argument("--seeds", type=positive_int, default=20, help="number of seeds (0..n-1)")
     parser.add_argument("--quick", action="store_true", help="yacht, 2 seeds, 40 epochs")
     parser.add_argument("--targets", choices=("standardized", "centered"), default="standardized")
-    parser.add_argument("--max-epochs", type=int, default=None, help="default: Table 5")
-    parser.add_argument("--patience", type=int, default=None, help="validation checks")
-    parser.add_argument("--max-train", type=int, default=None, help="subsample training rows")
+    parser.add_argument("--max-epochs", type=positive_int, default=None, help="default: Table 5")
+    parser.add_argument("--patience", type=positive_int, default=None, help="validation checks")
+    parser.add_argument(
+        "--max-train", type=positive_int, default=None, help="subsample training rows"
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_argument(parser)
     args = parser.parse_args(argv)
+    check_outputs(args)
     res = run(
         datasets=args.datasets,
         seeds=args.seeds,
         quick=args.quick,
-        progress=not args.no_progress,
+        progress=args.progress,
         targets=args.targets,
         max_epochs=args.max_epochs,
         patience=args.patience,
@@ -892,4 +895,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

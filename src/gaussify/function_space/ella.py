@@ -42,7 +42,9 @@ from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
 from gaussify.evidence import gaussian_log_likelihood, optimize_hyperparameters
 from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
-from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.validation import check_count, check_inputs, validated_batches
 
@@ -144,6 +146,7 @@ class ELLA:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.subset: ParameterSubset = select_parameters(model, subset)
         self.num_landmarks = num_landmarks
         self.landmarks = landmarks
@@ -155,7 +158,7 @@ class ELLA:
         prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(prior, self.subset)
         self.prior_precision = prior
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self._fitted = False
         self._chol: Tensor | None = None
 
@@ -178,6 +181,7 @@ class ELLA:
         with torch.no_grad():
             return torch.einsum("kr,kbc->brc", self._proj, self._kernel_to_landmarks(x))
 
+    @in_eval_mode
     def features(self, x: Tensor) -> Tensor:
         """The Nystrom feature map phi(x) (N, R, C) at the fitted prior precision, with
         phi(x)^T phi(x') ~= k(x, x')."""
@@ -193,6 +197,7 @@ class ELLA:
 
     # ------------------------------------------------------------------ fitting
     @distributed.collective("ELLA.fit")
+    @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
         """Choose the landmarks, build the feature map, and accumulate the R x R posterior
         statistics in one pass over ``data`` at the current weights theta*."""
@@ -213,6 +218,14 @@ class ELLA:
         self._z = z = distributed.broadcast(z)  # rank 0's landmarks under torch.distributed
         self._prior_fit = self.prior_precision.clone()
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        mc = z.shape[0] * model_outputs(self.model, z[:1], self.chunk_size).shape[1]
+        check_allocation(
+            mc * mc,
+            self.theta_star.dtype,
+            f"ELLA: the (M C)^2 landmark kernel (M C = {mc:,})",
+            "fewer landmarks (num_landmarks)",
+            device=self.theta_star.device,
+        )
         with torch.no_grad():
             k_zz = ntk(
                 self.model, z, None, self.subset, self._prior_fit, self.chunk_size, route=self.route
@@ -376,6 +389,7 @@ class ELLA:
                 self._chol = torch.linalg.cholesky(0.5 * (a + a.T))
         return self._chol, self._factor(self.prior_precision).detach()
 
+    @in_eval_mode
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, c phi*^T A^-1 phi* (N, C, C)."""
         self._require_fit()
@@ -394,6 +408,7 @@ class ELLA:
             covs.append(0.5 * (cov + cov.transpose(-1, -2)))
         return torch.cat(covs)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,

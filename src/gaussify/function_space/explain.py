@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from gaussify.curvature.jacobian import SubsetLike, jvp, model_outputs, resolve_subset
 from gaussify.function_space.ntk import Route, ntk, ntk_diag
 from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.model_checks import in_eval_mode
 from gaussify.validation import check_count, check_inputs, check_targets, output_width
 
 __all__ = ["Explanation", "dual_coefficients", "explain", "kernel_similarity"]
@@ -121,6 +122,7 @@ def kernel_similarity(
     return cross / norm
 
 
+@in_eval_mode
 def explain(
     model: nn.Module,
     x_star: Tensor,

@@ -42,7 +42,9 @@ from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.evidence import optimize_hyperparameters
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
-from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.validation import check_count, check_data, check_inputs
 
@@ -186,6 +188,7 @@ class FunctionalLaplace:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.subset: ParameterSubset = select_parameters(model, subset)
         self.num_data_subset = num_data_subset
         self.generator = generator
@@ -194,7 +197,7 @@ class FunctionalLaplace:
         self.route: Route = route
         dtype = next(model.parameters()).dtype
         self.prior_precision = self._validate_prior(prior_precision, dtype)
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self._fitted = False
         self._chol: Tensor | None = None
 
@@ -205,6 +208,7 @@ class FunctionalLaplace:
 
     # ------------------------------------------------------------------ fitting
     @distributed.collective("FunctionalLaplace.fit")
+    @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> FunctionalLaplace:
         """Condition the GP on ``data`` (a DataLoader or an ``(x, y)`` pair) at the current
         weights theta*: store the inputs, outputs f(X; theta*), the prior mean offset
@@ -226,6 +230,16 @@ class FunctionalLaplace:
                 f"(the GP needs {gib:.1f} GiB per (NC)^2 matrix and O((NC)^3) time); pass "
                 "num_data_subset to condition on a random subset, or raise max_kernel_size"
             )
+        groups = 1 if self.prior_precision.ndim == 0 else len(self.subset.names)
+        check_allocation(
+            groups * (n * c) ** 2,
+            f.dtype,
+            f"FunctionalLaplace: the (N C)^2 training kernel (N C = {n * c:,}, {groups} "
+            "prior group(s))",
+            "num_data_subset (condition on a random subset), ELLA (Nystrom), VaLLA (inducing "
+            "points), or Laplace with structure 'kron'/'diag'",
+            device=f.device,
+        )
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
         self._x, self._y, self._f = x, y, f
         self._m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size)
@@ -264,6 +278,7 @@ class FunctionalLaplace:
             self.model, self._x, None, self.subset, groups, self.chunk_size, route=self.route
         ).detach()
 
+    @in_eval_mode
     def train_kernel(self, prior_precision: Tensor | float | None = None) -> Tensor:
         """The training kernel K (N, C, N, C) for a prior precision (default: the current
         one), differentiable in it."""
@@ -406,6 +421,7 @@ class FunctionalLaplace:
                 self._chol = gp_cholesky(self.train_kernel(), lam_sqrt)
         return self._chol
 
+    @in_eval_mode
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, (N, C, C) (eq. 3.13)."""
         self._require_fit()
@@ -438,6 +454,7 @@ class FunctionalLaplace:
                 covs.append(gp_predictive_cov(k_test, k_cross, lam_sqrt, chol))
         return torch.cat(covs)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,

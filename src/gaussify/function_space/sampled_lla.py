@@ -43,7 +43,9 @@ from gaussify.curvature.jacobian import (
     model_outputs,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -237,13 +239,14 @@ class SampledLLA:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         if self.task == "heteroscedastic":
             raise ValueError("likelihood: heteroscedastic outputs are not supported by SampledLLA")
         self.subset: ParameterSubset = select_parameters(model, subset)
         dtype = next(model.parameters()).dtype
         self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(self.prior_precision, self.subset)  # raises on a wrong granularity
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self.num_samples = num_samples
         self.solver: Solver = solver
         self.epochs, self.batch_size = epochs, batch_size
@@ -303,6 +306,7 @@ class SampledLLA:
                 jac=jac[idx],
             )
 
+    @in_eval_mode
     def fit(self, data: Batches, *, progress: bool = False) -> SampledLLA:
         """Draw the randomisation and optimise the S randomised objectives over ``data``.
 
@@ -324,6 +328,14 @@ class SampledLLA:
         prior = self._prior_vec()
         gen = torch.Generator().manual_seed(self.seed)
         s, p = self.num_samples, self.subset.num_params
+        if self.solver == "solve":
+            check_allocation(
+                p * p,
+                dtype,
+                f"solver='solve': the P x P GGN (P = {p:,})",
+                "solver='sgd' or 'cg', or a smaller subset",
+                device=self.theta_star.device,
+            )
         self.delta0 = torch.randn(s, p, generator=gen, dtype=dtype) / prior.sqrt()
         linear = torch.zeros(s, p, dtype=dtype)
         gram = torch.zeros(p, p, dtype=dtype) if self.solver == "solve" else None
@@ -482,6 +494,7 @@ class SampledLLA:
             )
         return self.theta_star + samples[:n]
 
+    @in_eval_mode
     def objective(self, data: Batches) -> Tensor:
         """Each sample's randomised objective up to its constant (1/2 ||z||^2 + 1/2 d0^T P0
         d0), (S,): 1/2 d^T A d - d^T c. Its excess over the exact minimiser's value is the
@@ -494,6 +507,7 @@ class SampledLLA:
         ).sum(-1)
 
     # ------------------------------------------------------------------ prediction
+    @in_eval_mode
     def predict_samples(self, x: Tensor, *, chunk_size: int = 256) -> Tensor:
         """Linearised function samples f(x; theta*) + J(x) delta_s, (S, N, C)."""
         samples = self._require_fit()
@@ -512,6 +526,7 @@ class SampledLLA:
                 out.append(f + torch.einsum("ncp,sp->snc", jac, samples))
         return torch.cat(out, dim=1)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,

@@ -53,7 +53,9 @@ from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, jacobians
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
 from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
-from gaussify.likelihoods import Gaussian, Likelihood, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
 
@@ -248,6 +250,7 @@ class VaLLA:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         if self.task == "heteroscedastic":
             raise ValueError("likelihood: heteroscedastic outputs are not supported by VaLLA")
         if learn_noise and self.task != "regression":
@@ -266,7 +269,7 @@ class VaLLA:
         prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(prior, self.subset)  # raises on a wrong granularity
         self.log_prior = prior.log().requires_grad_(learn_prior)
-        sigma = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        sigma = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         self.log_sigma = sigma.log().requires_grad_(learn_noise)
         self.learn_prior, self.learn_noise = learn_prior, learn_noise
         self.num_inducing = num_inducing if inducing_points is None else inducing_points.shape[0]
@@ -452,6 +455,7 @@ class VaLLA:
         centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)
         return centres.reshape(m, *x.shape[1:])
 
+    @in_eval_mode
     def initialize(self, data: Batches) -> VaLLA:
         """Set theta*, N, the inducing inputs (K-means, or the given ones), the cached
         Jacobians at Z and q(u) = prior (S_v = I). Called by :meth:`fit`."""
@@ -477,6 +481,14 @@ class VaLLA:
         self.inducing_points = z.requires_grad_(self.learn_inducing)
         self.num_outputs = model_outputs(self.model, z[:1]).shape[1]
         mc = z.shape[0] * self.num_outputs
+        check_allocation(
+            mc * mc + (mc * self.subset.num_params if self.kernel == "jacobian" else 0),
+            self.theta_star.dtype,
+            f"VaLLA: the (M C)^2 inducing covariance and the (M C, P) Jacobian at the inducing "
+            f"points (M C = {mc:,}, P = {self.subset.num_params:,})",
+            "fewer inducing points (num_inducing), or kernel='ntk'",
+            device=self.theta_star.device,
+        )
         self.chol_raw = torch.zeros(mc, mc, dtype=self.theta_star.dtype, requires_grad=True)
         self._refresh_cache()
         trainable = self._trainable()
@@ -539,6 +551,7 @@ class VaLLA:
         self._require_init()
         return decoupled_kl(self.chol_v, self.theta_star, self._prior_vec())
 
+    @in_eval_mode
     def batch_objective(
         self, x: Tensor, y: Tensor, *, scale: float | None = None, chol_v: Tensor | None = None
     ) -> Tensor:
@@ -556,6 +569,7 @@ class VaLLA:
         kl = decoupled_kl(chol_v, self.theta_star, self._prior_vec())
         return factor * data - kl
 
+    @in_eval_mode
     def objective(self, data: Batches, *, batch_size: int = 256) -> Tensor:
         """The full-data objective sum_n (1/alpha) log E_q[p(y_n|f_n)^alpha] - KL (eq. 20;
         with alpha = 0 the ELBO, eq. 14). No gradients."""
@@ -575,6 +589,7 @@ class VaLLA:
             return 1.0
         return 0.5 * (1 + math.cos(math.pi * min(self._step_count, total) / total))
 
+    @in_eval_mode
     def step(self, x: Tensor, y: Tensor) -> float:
         """One optimisation step on the batch (x, y); returns the batch objective / N.
 
@@ -628,6 +643,7 @@ class VaLLA:
                 return
             self.chol_raw.copy_(torch.tril(chol_v, -1) + torch.diag_embed(chol_v.diagonal().log()))
 
+    @in_eval_mode
     def set_optimal_covariance(self, data: Batches, *, batch_size: int = 256) -> VaLLA:
         """Closed-form q(u) for fixed Z and hyperparameters (VaLLA Prop. 2 / Titsias 2009):
         S_v = (I + sum_n A_n Lambda_n A_n^T)^-1, A_n = L_K^-1 K_{Z n}, Lambda_n the likelihood's
@@ -671,6 +687,7 @@ class VaLLA:
                 count += x.shape[0]
         return total / max(count, 1)
 
+    @in_eval_mode
     def fit(
         self,
         train_data: Batches,
@@ -761,6 +778,7 @@ class VaLLA:
         self._refresh_cache()
 
     # ------------------------------------------------------------------ prediction
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -804,12 +822,14 @@ class VaLLA:
             return factor @ factor.T
 
     @property
+    @in_eval_mode
     def kernel_zz(self) -> Tensor:
         """K_ZZ (MC, MC), the prior covariance of the inducing outputs."""
         self._require_init()
         with torch.no_grad():
             return self._kzz()
 
+    @in_eval_mode
     def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Weight samples from q(theta) = N(theta*, Sigma_theta), (S, P), by pathwise
         conditioning: theta = theta* + e - P0^-1 J_Z^T K_ZZ^-1 (J_Z e - u), e ~ N(0, P0^-1),

@@ -42,6 +42,7 @@ from gaussify.approx_likelihoods import (
 )
 from gaussify.approx_likelihoods.pseudo_targets import Basis, Method, check_labels
 from gaussify.batches import Batches
+from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.validation import check_finite, validated_batches
 
@@ -115,6 +116,14 @@ class ExactLastLayer:
         self.prior_precision = float(prior_precision)
         self.bias, self.streaming, self.dtype = bias, streaming, dtype
         self.num_features = in_features + int(bias)
+        d = self.num_features
+        check_allocation(
+            self.num_outputs * d * d,
+            dtype,
+            f"ExactLastLayer: {self.num_outputs} (D+1) x (D+1) covariances (D+1 = {d:,})",
+            "fewer features (a projection of phi), or a VBLL head with a diagonal or low-rank "
+            "covariance",
+        )
         self.reset()
 
     # --- state ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ steps reach the variational optimum.
 from __future__ import annotations
 
 from gaussify.batches import Batches
+from gaussify.model_checks import in_eval_mode
 from gaussify.validation import validated_batches
 from gaussify.weight_space.ngvi import NaturalGradientVI
 from gaussify.weight_space.ngvi_math import blend_curvature
@@ -39,6 +40,7 @@ class GLMVI(NaturalGradientVI):
     sampling = True
     default_method = "glm"
 
+    @in_eval_mode
     def init_laplace(self, data: Batches, batch_size: int = 256) -> GLMVI:
         """Set q_0 to the Laplace-GGN posterior of the GLM at theta*: mean theta*, precision
         Lambda_0 = P0 + G(theta*) with G = sum_n J_n^T Lambda(f(x_n; theta*)) J_n over ``data``

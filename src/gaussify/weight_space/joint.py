@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.func import functional_call, vmap
 
 from gaussify.curvature.jacobian import jacobians
+from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 
 if TYPE_CHECKING:
@@ -52,6 +53,16 @@ def joint_predictive(
     la._require_fit()
     with torch.set_grad_enabled(x.requires_grad):
         f = la.model(x)
+    rows, p = f.numel(), la.subset.num_params
+    check_allocation(
+        rows * rows + rows * p,
+        f.dtype,
+        f"joint=True: the (N C)^2 joint covariance and the (N C, P) Jacobian (N C = {rows:,}, "
+        f"P = {p:,})",
+        "joint=False (per-point covariances), diagonal_output=True, function_samples(), or a "
+        "subset of the inputs",
+        device=f.device,
+    )
     jac = jacobians(la.model, x, la.subset)
     n, c, p = jac.shape
     mean = f + jac @ (la.mean - la.theta_star)

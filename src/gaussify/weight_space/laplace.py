@@ -50,7 +50,15 @@ from gaussify.evidence import (
     laplace_log_evidence,
     optimize_hyperparameters,
 )
-from gaussify.likelihoods import Gaussian, Likelihood, all_finite, get_likelihood
+from gaussify.likelihoods import (
+    Gaussian,
+    Likelihood,
+    all_finite,
+    check_sigma_noise,
+    get_likelihood,
+)
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -123,6 +131,7 @@ class Laplace:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.structure = structure
         self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
         if structure == "kron":
@@ -223,18 +232,12 @@ class Laplace:
         return prior_t
 
     def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
-        sigma_t = torch.as_tensor(sigma, dtype=self._dtype).clone()
-        if sigma_t.ndim > 1:
-            raise ValueError(
-                f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma_t.shape)}"
-            )
-        if not torch.isfinite(sigma_t).all() or (sigma_t <= 0).any():
-            raise ValueError(f"sigma_noise: must be finite and > 0, got {sigma_t}")
-        return sigma_t
+        return check_sigma_noise(sigma, self.task, self._dtype).clone()
 
     # ------------------------------------------------------------------ fitting
 
     @distributed.collective("Laplace.fit")
+    @in_eval_mode
     def fit(
         self,
         data: Batches,
@@ -445,6 +448,7 @@ class Laplace:
         return f + offset, offset, None
 
     @distributed.collective("Laplace.refine")
+    @in_eval_mode
     def refine(
         self,
         data: Batches,
@@ -592,13 +596,26 @@ class Laplace:
 
     @property
     def posterior_precision(self) -> Tensor:
-        """Dense posterior precision (P, P)."""
+        """Dense posterior precision (P, P) (refused when P^2 exceeds the allocation limit,
+        :mod:`gaussify.memory_guard`)."""
+        self._check_dense("posterior_precision")
         return self.posterior.precision_dense()
 
     @property
     def posterior_covariance(self) -> Tensor:
-        """Dense posterior covariance (P, P)."""
+        """Dense posterior covariance (P, P) (refused like :attr:`posterior_precision`)."""
+        self._check_dense("posterior_covariance")
         return self.posterior.covariance_dense()
+
+    def _check_dense(self, what: str) -> None:
+        p = self.subset.num_params
+        check_allocation(
+            p * p,
+            self._dtype,
+            f"{what}: the dense P x P matrix (P = {p:,})",
+            "posterior_variance (the diagonal), sample(), predict(), or a smaller subset",
+            device=self.mean.device,
+        )
 
     @property
     def posterior_variance(self) -> Tensor:
@@ -817,6 +834,7 @@ class Laplace:
         with torch.set_grad_enabled(x.requires_grad):
             return self.model(x)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,
@@ -897,6 +915,7 @@ class Laplace:
             generator=generator,
         )
 
+    @in_eval_mode
     def function_samples(
         self,
         x: Tensor,

@@ -47,7 +47,9 @@ from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import jacobians, jvp, jvp_with_outputs, vjp
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
-from gaussify.likelihoods import Likelihood, get_likelihood
+from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
+from gaussify.memory_guard import check_allocation
+from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -157,6 +159,7 @@ class NaturalGradientVI:
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
+        warn_if_squashed_output(model, self.task)
         self.structure = structure
         self.subset = select_parameters(model, subset)
         self.lr = float(lr)
@@ -174,7 +177,7 @@ class NaturalGradientVI:
         dtype = self.mean.dtype
         self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         self._prior_vec = expand_prior(self.prior_precision, self.subset).to(dtype)
-        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
         # theta_lin: the linearisation point of the GLM predictive (theta* for GLM-VI).
         self.theta_lin: Tensor | None = self.mean.clone() if self.linearization == "map" else None
         holder_options = dict(curvature_options)
@@ -211,12 +214,24 @@ class NaturalGradientVI:
     @property
     def posterior_precision(self) -> Tensor:
         """Dense Lambda_t (P, P)."""
+        self._check_dense("posterior_precision")
         return self.posterior.precision_dense()
 
     @property
     def posterior_covariance(self) -> Tensor:
         """Dense Sigma_t = Lambda_t^-1 (P, P)."""
+        self._check_dense("posterior_covariance")
         return self.posterior.covariance_dense()
+
+    def _check_dense(self, what: str) -> None:
+        p = self.subset.num_params
+        check_allocation(
+            p * p,
+            self.mean.dtype,
+            f"{what}: the dense P x P matrix (P = {p:,})",
+            "sample(), predict(), or a smaller subset",
+            device=self.mean.device,
+        )
 
     def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Weight samples from q_t, (S, P) in the subset's flattening order."""
@@ -324,6 +339,7 @@ class NaturalGradientVI:
             self._write(self.mean)
         return total
 
+    @in_eval_mode
     def step(self, batch: tuple[Tensor, Tensor], num_data: int | None = None) -> float:
         """One NGVI step (eq. 4.2-4.3) on a minibatch ``(x (B, ...), y)`` of a data set of
         ``num_data`` examples (default: the constructor's, else B, i.e. full batch). Returns
@@ -367,6 +383,7 @@ class NaturalGradientVI:
         self.steps += 1
         return log_lik / (rows * x.shape[0])
 
+    @in_eval_mode
     def fit(
         self,
         data: Batches,
@@ -434,6 +451,7 @@ class NaturalGradientVI:
         with torch.no_grad():
             return vmap(run)(self.subset.unflatten(thetas))
 
+    @in_eval_mode
     def elbo(
         self,
         data: Batches,
@@ -472,6 +490,7 @@ class NaturalGradientVI:
                 total += self.likelihood.log_prob((f + offset).detach(), y).sum()
         return total / num_samples - gaussian_kl(self.mean, post, self._prior_vec)
 
+    @in_eval_mode
     def predict(
         self,
         x: Tensor,

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from gaussify.curvature.jacobian import jacobians
 from gaussify.curvature.subset import select_parameters
+from gaussify.model_checks import in_eval_mode
 from gaussify.predictive import Predictive, predictive_from_gaussian
 from gaussify.validation import check_count, check_inputs
 from gaussify.weight_space.laplace import Laplace
@@ -72,6 +73,7 @@ def preference_pairs(first: Tensor, second: Tensor) -> Tensor:
     return torch.stack([first, second], dim=1)
 
 
+@in_eval_mode
 def predict_reward(laplace: Laplace, x: Tensor, chunk_size: int = 256) -> Predictive:
     """The Gaussian reward ``N(E[r(x)], Cov[r(x)])`` at inputs ``x (N, ...)`` under a Laplace
     posterior fitted on a :class:`BradleyTerry` pair model.

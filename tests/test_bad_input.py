@@ -1,14 +1,10 @@
 """Every public entry point x every bad-input class (issue 16, point 4).
 
-A table-driven walker: each entry point is a callable that builds a tiny fitted object and
-calls the entry point with the given input; each bad-input class builds that input from a good
-one. The assertion is the exact error class and a message that names the argument and the
-problem ("x: row 3 contains NaN", "data: contains no examples", "num_samples: expected an
-integer >= 1, got -1"). Classes that do not apply to an entry point (e.g. a dtype mismatch
-where the layer casts its features) are listed in the entry's ``skip``.
-
-:func:`test_every_posterior_class_is_walked` fails when a public posterior class exists that
-no entry covers, so a new family cannot skip the validation layer unnoticed.
+A table-driven walker: each entry builds a tiny fitted object and calls one entry point on an
+input made bad in one way (NaN, Inf, width, dtype, label range, empty, single-pass, counts,
+sizes). It asserts the exact error class and a message naming the argument and the problem
+("x: row 3 contains NaN"); classes that do not apply to an entry are in its ``skip``.
+:func:`test_every_posterior_class_is_walked` fails when a public posterior class has no entry.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -32,6 +29,7 @@ from gaussify.function_space import explain, ntk
 from gaussify.last_layer import (
     GVBLLMAP,
     VBLLBNN,
+    ActiveLearner,
     ADFLastLayer,
     ExactLastLayer,
     SGDLastLayer,
@@ -393,6 +391,13 @@ X_ENTRIES = [
         "x",
         inp="landmarks",
         skip=frozenset({"not_tensor"}),  # a non-tensor names the landmark methods instead
+    ),
+    Entry(
+        "ActiveLearner(phi_pool)",
+        lambda x: ActiveLearner(ExactLastLayer(D, C), x, Y_CLS[: len(x)], [0]),
+        "x",
+        inp="phi_pool",
+        skip=NO_MODEL,
     ),
     Entry("predict_reward", lambda x: predict_reward(reward_laplace(), x), "x"),
     Entry("GPClassifier.predict", _pred(gp, "predict"), "x", skip=NO_MODEL),
@@ -789,6 +794,4 @@ def test_checks_do_not_touch_valid_inputs() -> None:
     with pytest.raises(ValueError, match=r"^x: expected 12 flattened features"):
         validation.check_inputs(torch.zeros(2, 3, 5), flat)
     assert validation.check_count(3, "n") == 3
-    import numpy as np
-
     assert validation.check_count(np.int64(3), "n") == 3

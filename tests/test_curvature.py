@@ -458,7 +458,7 @@ def test_state_dict_round_trip(structure: str, tmp_path: object) -> None:
     bad = dict(curv.state_dict())
     key = next(k for k in bad if k != "num_data")
     bad[key] = bad[key][..., :-1]
-    with pytest.raises(ValueError, match=r"state: '\w+' has shape"):
+    with pytest.raises(ValueError, match=r"invalid state: '\w+': expected shape"):
         fresh.load_state_dict(bad)
 
 

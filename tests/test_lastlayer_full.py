@@ -123,23 +123,24 @@ def test_feature_path_adds_chunks_in_place_when_no_entry_can_overflow(monkeypatc
 
 
 def test_feature_path_batch_that_overflows_leaves_g_unchanged() -> None:
-    """float32 features of 1e20 (phi^2 = inf) cannot be bounded: the chunks go into a
-    checked temporary, the batch raises and G keeps the earlier batch's sum, which equals
-    the closed form for a Gaussian likelihood (M_n = I: G = I_C ⊗ sum_n phi~_n phi~_n^T)."""
+    """float64 features of 1e160 (phi^2 = inf; G is accumulated in float64, also for a
+    float32 model) cannot be bounded: the chunks go into a checked temporary, the batch
+    raises and G keeps the earlier batch's sum, which equals the closed form for a Gaussian
+    likelihood (M_n = I: G = I_C ⊗ sum_n phi~_n phi~_n^T)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).eval()  # float32
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).eval().double()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 3, generator=g)
-    y = torch.randn(16, 2, generator=g)
+    x = torch.randn(16, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(16, 2, generator=g, dtype=torch.float64)
     curv = make_curvature("full", model, "regression", "last_layer", chunk_size=4)
     curv.update(model, x, y)
     before = curv.ggn.clone()
     with pytest.raises(ValueError, match="unchanged"):
-        curv.update(model, 1e20 * x, y)
+        curv.update(model, 1e160 * x, y)
     torch.testing.assert_close(curv.ggn, before, rtol=0, atol=0)
     assert curv.num_data == 16
     with torch.no_grad():
-        phi = torch.cat([model[0](x), torch.ones(16, 1)], dim=1)
+        phi = torch.cat([model[0](x), torch.ones(16, 1, dtype=torch.float64)], dim=1)
     gram = phi.T @ phi  # (D + 1)^2 in [w, b] order per output
     closed = torch.zeros_like(before)
     d = 4

@@ -12,6 +12,7 @@ from gaussify import (
     last_layer,
     likelihoods,
     metrics,
+    state,
 )
 from gaussify.function_space import ELLA, FunctionalLaplace, SampledLLA, VaLLA
 from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood
@@ -44,6 +45,7 @@ __all__ = [
     "likelihoods",
     "marglik_training",
     "metrics",
+    "state",
     "subnetwork",
     "train_map",
 ]

@@ -17,19 +17,30 @@ once per fit:
     d_j = s lambda_j + delta_{k(j)},   r_j = s u_j - delta_{k(j)} w_j,
 
 with t_k = sum of theta_i^2 and n_k the number of parameters in group k (the last sum is the
-non-MAP correction of Thm 3.3, present only when it is switched on). Each evaluation and its
-gradient then cost O(P) on (P,) vectors, whatever the structure; tuning runs a hand-written
-Adam (the update of ``torch.optim.Adam`` with its defaults) on the log-hyperparameters, in
-float64 NumPy, without autograd or any (P, P) matrix. The gradient is, with
-a_j = -1/2 (1 / d_j) - w_j r_j / d_j - 1/2 r_j^2 / d_j^2 (the last two terms with the
-correction),
+non-MAP correction of Thm 3.3, present only when it is switched on). Evaluated as in
+:mod:`gaussify.evidence`, without cancellation at large priors: with e_j = s lambda_j,
+h_j = s u_j and hw_j = h_j w_j + 1/2 e_j w_j^2,
 
-    d log Z / d log delta_k = delta_k (-t_k / 2 + n_k / (2 delta_k) + sum_{j in k} a_j),
-    d log Z / d s = sum_j (-1/2 lambda_j / d_j + u_j r_j / d_j - 1/2 lambda_j r_j^2 / d_j^2),
+    log Z = L - 1/2 sum_j log1p(e_j / delta_j) + sum_j (1/2 h_j^2 - delta_j hw_j) / d_j
+
+with the correction, L - 1/2 sum_k delta_k t_k - 1/2 sum_j log1p(e_j / delta_j) without it,
+and the rule of :mod:`gaussify.evidence`: where the Newton model's log-likelihood
+L + sum_j (h_j z_j - 1/2 e_j z_j^2), z_j = r_j / d_j, exceeds the likelihood's supremum
+(``supremum_ref``; for a tunable Gaussian noise -N C (log sigma + 1/2 log 2 pi) / T) the value
+and gradient are those without the correction. Each evaluation and its gradient cost O(P) on
+(P,) vectors, whatever the structure; tuning runs a hand-written Adam (the update of
+``torch.optim.Adam`` with its defaults) on the log-hyperparameters, in float64 NumPy, without
+autograd or any (P, P) matrix. The gradient is
+
+    d log Z / d log delta_k = sum_{j in k} (1/2 e_j / d_j - delta_j (hw_j e_j + 1/2 h_j^2) / d_j^2)
+                              (with the correction),
+    d log Z / d log delta_k = sum_{j in k} 1/2 e_j / d_j - 1/2 delta_k t_k (without),
+    d log Z / d s = sum_j (-1/2 lambda_j / d_j + u_j z_j - 1/2 lambda_j z_j^2),
     d log Z / d log sigma = dL / d log sigma - 2 s d log Z / d s,
 
-and for a Gaussian likelihood L(sigma) = (-SSE / (2 sigma^2) - N C log sigma
-- N C log(2 pi) / 2) / T with dL / d log sigma = (SSE / sigma^2 - N C) / T.
+(the z terms with the correction only) and for a Gaussian likelihood L(sigma) = (-SSE /
+(2 sigma^2) - N C log sigma - N C log(2 pi) / 2) / T with dL / d log sigma = (SSE / sigma^2 -
+N C) / T.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+
+from gaussify.evidence import rule_fires
 
 __all__ = ["Spectrum", "adam_maximize", "build_spectrum"]
 
@@ -71,6 +84,7 @@ class Spectrum:
     temperature: float
     sse: float | None = None
     count: int = 0
+    supremum_ref: float | None = None
 
     @property
     def num_groups(self) -> int:
@@ -81,48 +95,84 @@ class Spectrum:
             return np.array([values.sum()])
         return np.bincount(self.group, weights=values, minlength=self.num_groups)
 
-    def _noise(self, log_sigma: float | None) -> tuple[float, float, float]:
-        """(s, L, dL / d log sigma) at sigma = exp(log_sigma) (None: the reference noise)."""
+    def _noise(self, log_sigma: float | None) -> tuple[float, float, float, float | None]:
+        """(s, L, dL / d log sigma, L_sup) at sigma = exp(log_sigma) (None: the reference
+        noise); L_sup is the likelihood's supremum for the correction's rule (None: none)."""
         if log_sigma is None or self.sse is None:
-            return self.scale_ref, self.log_lik_ref, 0.0
+            return self.scale_ref, self.log_lik_ref, 0.0, self.supremum_ref
         inv_var = math.exp(-2.0 * log_sigma)
         scale = self.scale_ref * self.sigma_ref**2 * inv_var
-        log_lik = (
-            -0.5 * self.sse * inv_var - self.count * (log_sigma + 0.5 * math.log(2 * math.pi))
-        ) / self.temperature
-        return scale, log_lik, (self.sse * inv_var - self.count) / self.temperature
+        norm = self.count * (log_sigma + 0.5 * math.log(2 * math.pi)) / self.temperature
+        log_lik = -0.5 * self.sse * inv_var / self.temperature - norm
+        supremum = None if self.supremum_ref is None else -norm
+        return scale, log_lik, (self.sse * inv_var - self.count) / self.temperature, supremum
 
     def evidence(
         self, log_prior: np.ndarray, log_sigma: float | None = None, *, value: bool = True
     ) -> tuple[float, np.ndarray, float]:
-        """(log Z or nan if not ``value``, d log Z / d log delta (K,), d log Z / d log sigma)."""
+        """(log Z or nan if not ``value``, d log Z / d log delta (K,), d log Z / d log sigma).
+
+        With the correction, the rule of :mod:`gaussify.evidence` applies: where the Newton
+        model's log-likelihood L + sum_j (h_j z_j - 1/2 e_j z_j^2) exceeds L_sup, the value and
+        gradient are those without the correction (:meth:`correction_dropped` tells)."""
         prior = np.exp(log_prior)
         delta = prior[0] if self.num_groups == 1 else prior[self.group]
-        scale, log_lik, dlik = self._noise(log_sigma)
+        scale, log_lik, dlik, supremum = self._noise(log_sigma)
         lam = self.eigenvalues
-        d = scale * lam + delta
+        e = scale * lam
+        d = e + delta
         inv = 1.0 / d
-        per_dir = -0.5 * inv
+        per_dir = 0.5 * e * inv  # d/d log delta_j of -1/2 log1p(e_j / delta_j)
         d_scale = -0.5 * float(lam @ inv)
         out = math.nan
-        if value:
-            out = (
-                log_lik
-                - 0.5 * float(prior @ self.theta_sq)
-                + 0.5 * float(self.group_size @ log_prior)
-                - 0.5 * float(np.log(d).sum())
-            )
-        if self.grad_proj is not None and self.theta_proj is not None:
-            u, w = self.grad_proj, self.theta_proj
-            ri = (scale * u - delta * w) * inv  # r_j / d_j
-            per_dir = per_dir - w * ri - 0.5 * ri * ri
-            d_scale += float(u @ ri) - 0.5 * float(lam @ (ri * ri))
+        logdet_term = -0.5 * float(np.log1p(e / delta).sum()) if value else math.nan
+        terms = self._correction_terms(scale, delta, d, log_lik, supremum)
+        if terms is None:
             if value:
-                out += 0.5 * float(ri @ (ri * d))
-        grad_prior = prior * (-0.5 * self.theta_sq + self._group_sum(per_dir))
-        grad_prior = grad_prior + 0.5 * self.group_size
+                out = log_lik - 0.5 * float(prior @ self.theta_sq) + logdet_term
+            grad_prior = self._group_sum(per_dir) - 0.5 * prior * self.theta_sq
+        else:
+            h, hw, z = terms
+            assert self.grad_proj is not None
+            if value:
+                out = log_lik + float(((0.5 * h * h - delta * hw) * inv).sum()) + logdet_term
+            # d/d delta of (1/2 h^2 - delta hw) / d is -(hw e + 1/2 h^2) / d^2
+            per_dir = per_dir - delta * (hw * e + 0.5 * h * h) * inv * inv
+            grad_prior = self._group_sum(per_dir)
+            d_scale += float(self.grad_proj @ z) - 0.5 * float(lam @ (z * z))
         grad_sigma = dlik - 2.0 * scale * d_scale if self.sse is not None else 0.0
         return out, grad_prior, grad_sigma
+
+    def _correction_terms(
+        self,
+        scale: float,
+        delta: np.ndarray | float,
+        d: np.ndarray,
+        log_lik: float,
+        supremum: float | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(h = s u, h w + 1/2 e w^2, z = (h - delta w) / d) when the correction applies, None
+        without it or where the rule drops it."""
+        if self.grad_proj is None or self.theta_proj is None:
+            return None
+        u, w = self.grad_proj, self.theta_proj
+        h = scale * u
+        z = (h - delta * w) / d
+        e = scale * self.eigenvalues
+        if rule_fires(log_lik, float((h * z - 0.5 * e * z * z).sum()), supremum):
+            return None
+        return h, h * w + 0.5 * e * w * w, z
+
+    def correction_dropped(self, log_prior: np.ndarray, log_sigma: float | None = None) -> bool:
+        """Whether the rule of :mod:`gaussify.evidence` drops the correction at these
+        hyperparameters (False without the correction)."""
+        if self.grad_proj is None:
+            return False
+        prior = np.exp(log_prior)
+        delta = prior[0] if self.num_groups == 1 else prior[self.group]
+        scale, log_lik, _, supremum = self._noise(log_sigma)
+        d = scale * self.eigenvalues + delta
+        return self._correction_terms(scale, delta, d, log_lik, supremum) is None
 
 
 def build_spectrum(
@@ -138,6 +188,7 @@ def build_spectrum(
     sse: float | None = None,
     count: int = 0,
     param_group: Tensor | None = None,
+    supremum_ref: float | None = None,
 ) -> Spectrum:
     """A :class:`Spectrum` from torch tensors: ``eigenvalues`` and ``group`` (P,) per
     eigenvector, ``theta (P,)`` = theta* - m0 in parameter order with its groups
@@ -166,6 +217,7 @@ def build_spectrum(
         temperature=float(temperature),
         sse=sse,
         count=count,
+        supremum_ref=supremum_ref,
     )
 
 

@@ -52,6 +52,7 @@ from gaussify.approx_likelihoods.pseudo_targets import (
 )
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import Predictive, laplace_bridge, probit
+from gaussify.state import transactional
 from gaussify.validation import check_count, check_finite
 
 __all__ = [
@@ -360,6 +361,7 @@ class GPClassifier:
             y.shape[0], -1
         ).T.contiguous()
 
+    @transactional
     def set_data(self, x: Tensor, y: Tensor, num_classes: int | None = None) -> GPClassifier:
         """Store the training data and the pseudo-targets, and initialise the hyperparameters
         (without optimising them). ``x (N, D)`` floating, ``y (N,)`` integer labels in
@@ -445,6 +447,7 @@ class GPClassifier:
         self._chol, self.mean, self._weights = (t.detach() for t in self._last)
 
     # -- fitting --------------------------------------------------------------------
+    @transactional
     def fit(
         self,
         x: Tensor,
@@ -462,6 +465,7 @@ class GPClassifier:
         self.set_data(x, y, num_classes)
         return self.optimize(max_iter=max_iter, tolerance_grad=tolerance_grad, enabled=optimize)
 
+    @transactional
     def optimize(
         self, *, max_iter: int = 200, tolerance_grad: float = 1e-7, enabled: bool = True
     ) -> GPFitResult:

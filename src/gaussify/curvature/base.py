@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from typing import ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +60,7 @@ from gaussify.likelihoods import (
     all_finite,
     get_likelihood,
 )
+from gaussify.state import validate_state
 
 __all__ = [
     "Curvature",
@@ -321,9 +322,12 @@ def _sum_cannot_overflow(
         if not math.isfinite(bound):
             return False
         total += (sl.stop - sl.start) * bound
-    scale = max(_max_abs(phi) ** 2, 1.0)  # phi^2 itself must be representable too
     limit = 0.25 * torch.finfo(out.dtype).max
-    return scale < limit and total * scale + _max_abs(out) < limit
+    top = _max_abs(phi)
+    if not top < math.sqrt(limit):  # phi^2 itself must be representable too (and not NaN)
+        return False
+    scale = max(top * top, 1.0)
+    return total * scale + _max_abs(out) < limit
 
 
 # --------------------------------------------------------------------------- shared base class
@@ -603,20 +607,16 @@ class GaussNewtonCurvature:
             self.last_outputs = (f, None)
         return (batch if out is None else out.add_(batch)), f, None, held["draws"]
 
-    def _load_num_data(self, state: dict[str, Tensor]) -> None:
-        if "num_data" not in state:
-            raise ValueError("state: missing key 'num_data'")
-        self.num_data = int(state["num_data"])
+    def state_schema(self) -> dict[str, Any]:
+        """The declarative schema of :meth:`state_dict` (:mod:`gaussify.state`)."""
+        raise NotImplementedError
 
-    def _check_state_tensor(
-        self, state: dict[str, Tensor], key: str, shape: tuple[int, ...]
-    ) -> Tensor:
-        if key not in state:
-            raise ValueError(f"state: missing key {key!r} (got {sorted(state)})")
-        value = torch.as_tensor(state[key])
-        if tuple(value.shape) != shape:
-            raise ValueError(
-                f"state: {key!r} has shape {tuple(value.shape)}, expected {shape} for "
-                f"{self.num_params} parameters"
-            )
-        return value.to(dtype=self.dtype, device=self.device)
+    def _validated_state(self, state: dict[str, Tensor]) -> dict[str, Any]:
+        """``state`` checked against :meth:`state_schema` as a whole (keys, shapes, the
+        curvature's dtype, finiteness) before anything is assigned; tensors on its device."""
+        valid = validate_state(
+            state, self.state_schema(), owner=type(self).__name__, dims={"P": self.num_params}
+        )
+        return {
+            k: v.to(device=self.device) if isinstance(v, Tensor) else v for k, v in valid.items()
+        }

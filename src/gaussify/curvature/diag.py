@@ -19,6 +19,7 @@ from gaussify.curvature.jacobian import SubsetLike
 from gaussify.curvature.lastlayer import OutputLinear, lastlayer_jvp, lastlayer_num_outputs
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
+from gaussify.state import Integer, TensorSpec
 
 __all__ = ["DiagGGN", "DiagonalPrecision"]
 
@@ -131,7 +132,10 @@ class DiagGGN(GaussNewtonCurvature):
     def state_dict(self) -> dict[str, Tensor]:
         return {"ggn_diag": self.ggn_diag.clone(), "num_data": torch.tensor(self.num_data)}
 
+    def state_schema(self) -> dict[str, Any]:
+        return {"ggn_diag": TensorSpec(("P",), self.dtype), "num_data": Integer()}
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        diag = self._check_state_tensor(state, "ggn_diag", (self.num_params,))
-        self.ggn_diag = diag.clone()
-        self._load_num_data(state)
+        valid = self._validated_state(state)
+        self.ggn_diag = valid["ggn_diag"].clone()
+        self.num_data = valid["num_data"]

@@ -37,6 +37,10 @@ from gaussify.curvature.lastlayer import (
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood, all_finite
 from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+)
 
 __all__ = [
     "CholeskyPrecision",
@@ -116,6 +120,7 @@ class CholeskyPrecision:
         self.precision = precision.to(self.dtype)
         self.num_params = precision.shape[-1]
         self._chol: Tensor | None = None
+        self._wide_chol: Tensor | None = None
         self._logdet: Tensor | None = None
         self._inv_factor: Tensor | None = None
 
@@ -125,16 +130,39 @@ class CholeskyPrecision:
             if self._wide is None:
                 self._chol = cholesky_psd(self.precision)
             else:
-                wide = cholesky_psd(self._wide)
-                self._logdet = 2 * wide.diagonal().log().sum()
-                self._chol, self._wide = wide.to(self.dtype), None
+                wide = self._wide_factor()
+                self._chol, self._wide, self._wide_chol = wide.to(self.dtype), None, None
         return self._chol
 
+    def _wide_factor(self) -> Tensor:
+        """The float64 Cholesky factor, kept until :attr:`cholesky` is first needed (the
+        evidence's log det and solve use it; predictions and samples drop it)."""
+        if self._wide_chol is None:
+            assert self._wide is not None
+            self._wide_chol = cholesky_psd(self._wide)
+            self._logdet = 2 * self._wide_chol.diagonal().log().sum()
+        return self._wide_chol
+
     def logdet(self) -> Tensor:
-        chol = self.cholesky
-        if self._logdet is not None:
-            return self._logdet.to(self.dtype)
-        return 2 * chol.diagonal().log().sum()
+        return self.logdet_wide().to(self.dtype)
+
+    def logdet_wide(self) -> Tensor:
+        """log det A in the factorisation's dtype (float64 for a float32 model)."""
+        if self._logdet is None:
+            if self._wide is not None:
+                self._wide_factor()
+            else:
+                self._logdet = 2 * self.cholesky.diagonal().log().sum()
+        assert self._logdet is not None
+        return self._logdet
+
+    def solve_wide(self, v: Tensor) -> Tensor:
+        """A^-1 v in float64 with the float64 factor where there is one (the evidence's
+        correction b^T A^-1 b cancels against the prior term at large priors)."""
+        factor = self._wide_factor() if self._wide is not None else self.cholesky
+        lead = v.shape[:-1]
+        rhs = v.reshape(-1, self.num_params).T.to(factor.dtype)
+        return torch.cholesky_solve(rhs, factor).T.reshape(*lead, self.num_params)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         # L^{-T} z has covariance L^{-T} L^{-1} = A^{-1}.
@@ -242,7 +270,11 @@ class EigenPrecision:
         self.diag = diag.to(dtype)
 
     def logdet(self) -> Tensor:
-        return self._diag_wide.log().sum().to(self.eigenvectors.dtype)
+        return self.logdet_wide().to(self.eigenvectors.dtype)
+
+    def logdet_wide(self) -> Tensor:
+        """log det A summed in the eigenvalues' dtype (float64 for a float32 model)."""
+        return self._diag_wide.log().sum()
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         v = self.eigenvectors
@@ -318,14 +350,18 @@ class FullGGN(GaussNewtonCurvature):
         #: features (O(N C^2 D^2)) instead of the per-sample products (O(N C^3 D^2))
         self.kron_features = kron_features
         p = self.num_params
+        # accumulated in float64 for a float32 model: a float32 sum resolves eigenvalues only
+        # to ~eps * lambda_max (a null direction came out at 7e-8 against 3e-16), which then
+        # dominates log det A at small priors; the sum of float64 products keeps a Gram matrix
+        wide = _factor_dtype(self.dtype)
         check_allocation(
             p * p,
-            self.dtype,
+            wide,
             f"structure='full': the P x P GGN (P = {p:,} parameters)",
             FULL_ALTERNATIVES,
             device=self.device,
         )
-        self._ggn = torch.zeros(p, p, dtype=self.dtype, device=self.device)
+        self._ggn = torch.zeros(p, p, dtype=wide, device=self.device)
         self._blocks = syrk_blocks(p)
         self._mirror_pending = False  # upper blocks of _ggn not yet copied from the lower ones
         self.eig_cache = eig_cache
@@ -371,7 +407,7 @@ class FullGGN(GaussNewtonCurvature):
         single = self._chunk(f.shape[0], k * self.subset.support.num_params) >= f.shape[0]
         target = self._ggn if single else torch.zeros_like(self._ggn)
         for block in self._products(model, x, y, f, phi, draws):
-            flat = block.reshape(-1, block.shape[-1]).to(self.dtype)
+            flat = block.reshape(-1, block.shape[-1]).to(self._ggn.dtype)
             # one reduction (NaN/inf propagate into the sum); the full scan only if it is not
             # finite, in case the finite entries merely overflowed the sum
             if not torch.isfinite(flat.sum()) and not torch.isfinite(flat).all():
@@ -490,11 +526,22 @@ class FullGGN(GaussNewtonCurvature):
     def state_dict(self) -> dict[str, Tensor]:
         return {"ggn": self.ggn.clone(), "num_data": torch.tensor(self.num_data)}
 
+    def state_schema(self) -> dict[str, Any]:
+        # G is held in float64 for a float32 model; a state in the model's dtype loads too
+        dtypes = (self.dtype, _factor_dtype(self.dtype))
+        return {"ggn": TensorSpec(("P", "P"), dtypes), "num_data": Integer()}
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        p = self.num_params
-        self.ggn = self._check_state_tensor(state, "ggn", (p, p)).clone()
-        self._load_num_data(state)
+        valid = self._validated_state(state)
+        self.ggn = valid["ggn"].to(self._ggn.dtype).clone()
+        self.num_data = valid["num_data"]
         self._forget()
+
+    @property
+    def eigenbasis_cached(self) -> bool:
+        """Whether G's eigendecomposition is at hand (then the evidence is evaluated per
+        eigenvector, :func:`gaussify.evidence.eigenbasis_log_evidence`, at no extra cost)."""
+        return self._eig is not None
 
     def _eig_for_posterior(self) -> tuple[Tensor, Tensor] | None:
         """The eigendecomposition a scalar-prior posterior uses, per ``eig_cache``, or None

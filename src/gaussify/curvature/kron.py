@@ -89,6 +89,11 @@ from gaussify.curvature.subset import (
 )
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+    validate_state,
+)
 
 __all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
 
@@ -1083,23 +1088,23 @@ class KronGGN:
             state[f"M.{ly.path}"] = self._m[ly.path].clone()
         return state
 
+    def state_schema(self) -> dict[str, Any]:
+        """Declarative schema of :meth:`state_dict` (:mod:`gaussify.state`): per layer the
+        factors in the model's dtype (B also float64: the output layer keeps it so)."""
+        schema: dict[str, Any] = {"num_data": Integer()}
+        wide = (self._dtype, torch.float64)
+        for ly in self._layers:
+            schema[f"A.{ly.path}"] = TensorSpec(tuple(self._a[ly.path].shape), self._dtype)
+            schema[f"B.{ly.path}"] = TensorSpec(tuple(self._b[ly.path].shape), wide)
+            schema[f"M.{ly.path}"] = TensorSpec((), torch.float64, nonnegative=True)
+        return schema
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            raise ValueError(
-                f"state: expected keys {sorted(expected)}, got {sorted(state)} (was it saved "
-                "from a KronGGN over the same subset?)"
-            )
+        # the whole state is checked before any factor is replaced
+        valid = validate_state(state, self.state_schema(), owner="KronGGN")
         for ly in self._layers:
             for prefix, store in (("A", self._a), ("B", self._b), ("M", self._m)):
-                value = state[f"{prefix}.{ly.path}"]
-                if value.shape != store[ly.path].shape:
-                    raise ValueError(
-                        f"state: {prefix}.{ly.path} has shape {tuple(value.shape)}, expected "
-                        f"{tuple(store[ly.path].shape)}"
-                    )
-                # float64 stays float64 (the output layer's B is kept in float64, see update)
-                dtype = torch.float64 if value.dtype == torch.float64 else self._dtype
-                store[ly.path] = value.to(device=store[ly.path].device, dtype=dtype).clone()
-        self.num_data = int(state["num_data"])
+                value = valid[f"{prefix}.{ly.path}"]
+                store[ly.path] = value.to(device=store[ly.path].device).clone()
+        self.num_data = valid["num_data"]
         self._invalidate()

@@ -49,6 +49,10 @@ from gaussify.curvature.lastlayer import (
 from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
 from gaussify.memory_guard import check_allocation
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+)
 
 __all__ = ["LowRankGGN", "LowRankPrecision", "diag_remainder", "top_eigenpairs"]
 
@@ -88,7 +92,9 @@ class LowRankPrecision:
     """A = D + W W^T with diagonal D (P,) and W (P, k); Woodbury for solves and samples,
     the matrix determinant lemma for log det A = sum log D + log det(I + W^T D^{-1} W)."""
 
-    def __init__(self, diag: Tensor, factor: Tensor) -> None:
+    def __init__(
+        self, diag: Tensor, factor: Tensor, *, wide: tuple[Tensor, Tensor] | None = None
+    ) -> None:
         if not bool((diag.detach() > 0).all()):
             raise ValueError(
                 "posterior precision is not positive definite: scale * diag remainder + prior "
@@ -102,9 +108,28 @@ class LowRankPrecision:
         eye = torch.eye(k, dtype=diag.dtype, device=diag.device)
         self._chol = cholesky_psd(eye + factor.T @ self._scaled, "low-rank capacitance matrix")
         self._correction_factor: Tensor | None = None
+        #: (D, W) formed in float64 for a float32 model, for the evidence (logdet_wide,
+        #: solve_wide): its correction cancels against the prior term at large priors
+        self._wide_parts = wide
+        self._wide: LowRankPrecision | None = None
 
     def logdet(self) -> Tensor:
         return self.diag.log().sum() + 2 * self._chol.diagonal().log().sum()
+
+    def _wide_precision(self) -> LowRankPrecision:
+        if self._wide_parts is None:
+            return self
+        if self._wide is None:
+            self._wide = LowRankPrecision(*self._wide_parts)
+        return self._wide
+
+    def logdet_wide(self) -> Tensor:
+        """log det A from the float64 parts where there are some."""
+        return self._wide_precision().logdet()
+
+    def solve_wide(self, v: Tensor) -> Tensor:
+        """A^-1 v from the float64 parts where there are some."""
+        return self._wide_precision().solve(v)
 
     def _capacitance_solve(self, rhs: Tensor) -> Tensor:
         return torch.cholesky_solve(rhs, self._chol)
@@ -351,7 +376,14 @@ class LowRankGGN(GaussNewtonCurvature):
         diag = scale_t * remainder + expand_prior(prior, self.subset)
         # sqrt(scale) separately: sqrt(s) at s = 0 would give NaN gradients.
         factor = evecs * evals.sqrt() * scale_t.sqrt()
-        return LowRankPrecision(diag, factor)
+        wide = None
+        if evecs.dtype != torch.float64:  # float64 parts for the evidence
+            s64 = scale_t.to(torch.float64)
+            wide = (
+                s64 * remainder.to(torch.float64) + expand_prior(prior, self.subset).to(s64),
+                evecs.to(s64) * evals.to(s64).sqrt() * s64.sqrt(),
+            )
+        return LowRankPrecision(diag, factor, wide=wide)
 
     def state_dict(self) -> dict[str, Tensor]:
         evals, evecs = self.eigendecomposition()
@@ -362,16 +394,19 @@ class LowRankGGN(GaussNewtonCurvature):
             "num_data": torch.tensor(self.num_data),
         }
 
+    def state_schema(self) -> dict[str, Any]:
+        return {
+            "eigenvalues": TensorSpec(("K",), self.dtype),
+            "eigenvectors": TensorSpec(("P", "K"), self.dtype),
+            "ggn_diag": TensorSpec(("P",), self.dtype),
+            "num_data": Integer(),
+        }
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        p = self.num_params
-        if "eigenvalues" not in state:
-            raise ValueError(f"state: missing key 'eigenvalues' (got {sorted(state)})")
-        k = int(torch.as_tensor(state["eigenvalues"]).shape[0])
-        evals = self._check_state_tensor(state, "eigenvalues", (k,))
-        evecs = self._check_state_tensor(state, "eigenvectors", (p, k))
-        self.ggn_diag = self._check_state_tensor(state, "ggn_diag", (p,)).clone()
-        self._load_num_data(state)
-        self._eig = (evals.clone(), evecs.clone())
+        valid = self._validated_state(state)
+        self.ggn_diag = valid["ggn_diag"].clone()
+        self.num_data = valid["num_data"]
+        self._eig = (valid["eigenvalues"].clone(), valid["eigenvectors"].clone())
         self._batches = []
         self._model = None
         self._reference = None

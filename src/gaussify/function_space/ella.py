@@ -39,13 +39,30 @@ from gaussify import distributed
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import gaussian_log_likelihood, optimize_hyperparameters
+from gaussify.evidence import (
+    feature_log_evidence,
+    gaussian_log_likelihood,
+    log_likelihood_supremum,
+    optimize_hyperparameters,
+    warn_dropped_correction,
+)
 from gaussify.function_space.gp import PREDICT_BLOCK_ELEMENTS
 from gaussify.function_space.ntk import Route, ntk
-from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
+from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Nested,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_count, check_inputs, validated_batches
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
@@ -196,6 +213,7 @@ class ELLA:
         return int(self._proj.shape[1])
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("ELLA.fit")
     @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
@@ -232,16 +250,16 @@ class ELLA:
             )
         self._proj = nystrom_projection(k_zz, self.eig_tol)
         r = self._proj.shape[1]
-        dtype = self._proj.dtype
         regression = self.task == "regression"
         stats: dict[str, Tensor] = {}
         num_data = 0
+        wide = torch.float64  # statistics summed in float64 (the evidence is evaluated in it)
         for x, y in batches:
-            phi = self._features(x)  # (B, R, C)
+            phi = self._features(x).to(wide)  # (B, R, C)
             f = model_outputs(self.model, x, self.chunk_size)
-            m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size)
+            m = -jvp(self.model, x, self.subset, self.theta_star, self.chunk_size).to(wide)
             if regression:
-                e = y.reshape(f.shape).to(f.dtype) - f
+                e = y.reshape(f.shape).to(wide) - f.to(wide)
                 part = {
                     "gram": torch.einsum("brc,bsc->crs", phi, phi),
                     "phi_e": torch.einsum("brc,bc->cr", phi, e),
@@ -251,15 +269,15 @@ class ELLA:
                     "sse": e.square().sum(0),
                 }
             else:
-                lam_sqrt = self.likelihood.hessian_sqrt(f)
+                lam_sqrt = self.likelihood.hessian_sqrt(f).to(wide)
                 lam = lam_sqrt @ lam_sqrt.transpose(-1, -2)
-                res = self.likelihood.residual(f, y)
+                res = self.likelihood.residual(f, y).to(wide)
                 lam_m = torch.einsum("bij,bj->bi", lam, m)
                 pl = torch.einsum("brc,bca->rba", phi, lam_sqrt).reshape(r, -1)
                 part = {
                     "gram": pl @ pl.T,
                     "s": torch.einsum("brc,bc->r", phi, res - lam_m),
-                    "log_lik": self.likelihood.log_prob(f, y).sum(),
+                    "log_lik": self.likelihood.log_prob(f, y).sum().to(wide),
                     "rm": (res * m).sum(),
                     "mlm": (m * lam_m).sum(),
                 }
@@ -270,7 +288,7 @@ class ELLA:
         num_data = distributed.all_reduce_sum(num_data)
         if num_data == 0:
             raise ValueError("data: contains no examples")
-        self._stats = {k: v.to(dtype) for k, v in stats.items()}
+        self._stats = {k: v.to(wide) for k, v in stats.items()}
         self.num_data = num_data
         self._fitted = True
         self._chol = None
@@ -329,15 +347,31 @@ class ELLA:
             self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
         )
         a, s, const = self._posterior_terms(prior, sigma)
-        chol = torch.linalg.cholesky(0.5 * (a + a.T))
-        z = torch.linalg.solve_triangular(chol, s.reshape(-1, 1), upper=False)
-        value = const + 0.5 * z.square().sum() - chol.diagonal().log().sum()
+        st = self._stats
+        outputs = int(st["sse"].numel()) if self.task == "regression" else 1
+        if self.task == "regression":
+            log_lik = gaussian_log_likelihood(st["sse"], self.num_data, sigma)
+        else:
+            log_lik = st["log_lik"]
+        lik = self.likelihood if self.task != "regression" else Gaussian(sigma)
+        result = feature_log_evidence(
+            log_lik,
+            const,
+            a,
+            s,
+            supremum=log_likelihood_supremum(lik, self.num_data, outputs, sigma),
+            prior_quad=(expand_prior(prior, self.subset) * self.theta_star.square()).sum(),
+        )
+        if result.dropped:
+            warn_dropped_correction(result, self, self._stats)
+        value = result.value.to(dtype)
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -386,7 +420,9 @@ class ELLA:
         if self._chol is None:
             with torch.no_grad():
                 a, _, _ = self._posterior_terms(self.prior_precision, self.sigma_noise)
-                self._chol = torch.linalg.cholesky(0.5 * (a + a.T))
+                # factorised in float64 (the statistics' dtype), kept in the model's dtype
+                chol = torch.linalg.cholesky(0.5 * (a + a.T))
+                self._chol = chol.to(self._proj.dtype)
         return self._chol, self._factor(self.prior_precision).detach()
 
     @in_eval_mode
@@ -441,32 +477,70 @@ class ELLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "landmarks": self._z,
+                "projection": self._proj,
+                "prior_fit": self._prior_fit,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "theta_star": self.theta_star,
+                "num_data": self.num_data,
+                "stats": dict(self._stats),
+            }
+        )
+
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        if self.task == "regression":
+            stats = {"gram": ("C", "R", "R"), "phi_e": ("C", "R"), "phi_m": ("C", "R")}
+            stats.update({k: ("C",) for k in ("em", "mm", "sse")})
+        else:
+            stats = {"gram": ("R", "R"), "s": ("R",), "log_lik": (), "rm": (), "mlm": ()}
         return {
-            "subset": list(self.subset.names),
-            "landmarks": self._z,
-            "projection": self._proj,
-            "prior_fit": self._prior_fit,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "theta_star": self.theta_star,
-            "num_data": self.num_data,
-            "stats": dict(self._stats),
+            **identity_schema(self.task, self.subset.names),
+            "landmarks": TensorSpec(("M", ...), None),
+            "projection": TensorSpec((None, "R"), dt),
+            "prior_fit": TensorSpec(None, dt, positive=True),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "num_data": Integer(1),
+            # the statistics are summed in float64 (a state in the model's dtype loads too)
+            "stats": Nested({k: TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into an ELLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for parameter tensors {list(state['subset'])}; this "
-                f"posterior covers {list(self.subset.names)}"
-            )
-        self._z, self._proj = state["landmarks"], state["projection"]
-        self._prior_fit = state["prior_fit"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.theta_star, self.num_data = state["theta_star"], int(state["num_data"])
-        self._stats = dict(state["stats"])
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into an ELLA over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state, self._state_schema(), owner="ELLA", dims={"P": self.subset.num_params}
+        )
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="ELLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        expand_prior(valid["prior_fit"], self.subset)  # the granularity fits this subset
+        self._z, self._proj = valid["landmarks"].clone(), valid["projection"].clone()
+        self._prior_fit = valid["prior_fit"].clone()
+        self.prior_precision = check_prior(valid["prior_precision"].clone())
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star, self.num_data = valid["theta_star"].clone(), valid["num_data"]
+        self._stats = {k: v.to(torch.float64).clone() for k, v in valid["stats"].items()}
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
         self._fitted = True

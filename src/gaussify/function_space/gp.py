@@ -40,17 +40,37 @@ from gaussify import distributed
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.evidence import optimize_hyperparameters
+from gaussify.evidence import (
+    EvidenceValue,
+    apply_rule,
+    log_likelihood_supremum,
+    optimize_hyperparameters,
+    warn_dropped_correction,
+)
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Integer,
+    Maybe,
+    NameGroups,
+    StateError,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
     "FunctionalLaplace",
     "gp_cholesky",
+    "gp_evidence",
     "gp_log_evidence",
     "gp_log_evidence_pseudo_targets",
     "gp_predictive_cov",
@@ -94,8 +114,32 @@ def gp_log_evidence(
     ``log_lik`` scalar log p(y | f(X; theta*)); ``residual (N, C)`` r = d log p / d f;
     ``lam_sqrt (N, C, C)`` L_n; ``prior_mean (N, C)`` m = -J theta* (the prior mean of the
     linearised network minus f(X; theta*)); ``kernel (N, C, N, C)``. Differentiable in every
-    argument.
+    argument; evaluated in float64 and returned in ``log_lik``'s dtype (no rule: see
+    :func:`gp_evidence`).
     """
+    return gp_evidence(log_lik, residual, lam_sqrt, prior_mean, kernel).value.to(log_lik.dtype)
+
+
+def gp_evidence(
+    log_lik: Tensor,
+    residual: Tensor,
+    lam_sqrt: Tensor,
+    prior_mean: Tensor,
+    kernel: Tensor,
+    *,
+    supremum: Tensor | None = None,
+    prior_quad: Tensor | None = None,
+) -> EvidenceValue:
+    """:func:`gp_log_evidence` in float64 (the small quantities cast: at a prior of 1e-8 the
+    kernel is 1e8 times J J^T and 1/2 v^T K v cancels against the Cholesky term) with the rule
+    of :mod:`gaussify.evidence`: with ``supremum`` (L_sup) and ``prior_quad`` (theta*^T P0
+    theta*), where the Newton model's log-likelihood at the mode, L + r^T u - 1/2 u^T Lambda u
+    with u = m + K a, a = (I + Lambda K)^-1 v = v - L B^-1 L^T K v, exceeds L_sup, the value
+    is the evidence without the correction, L - 1/2 theta*^T P0 theta* - 1/2 log det B."""
+    lik = log_lik.to(torch.float64)
+    residual, lam_sqrt, prior_mean, kernel = (
+        t.to(torch.float64) for t in (residual, lam_sqrt, prior_mean, kernel)
+    )
     lam = lam_sqrt @ lam_sqrt.transpose(-1, -2)
     lam_m = torch.einsum("nij,nj->ni", lam, prior_mean)
     v = residual - lam_m
@@ -106,7 +150,15 @@ def gp_log_evidence(
     logdet = 2.0 * chol.diagonal().log().sum()
     quad = (v * kv).sum() - z.square().sum()
     linear = (residual * prior_mean).sum() - 0.5 * (prior_mean * lam_m).sum()
-    return log_lik + linear + 0.5 * quad - 0.5 * logdet
+    value = lik + linear + 0.5 * quad - 0.5 * logdet
+    if supremum is None or prior_quad is None:
+        return EvidenceValue(value)
+    b_inv_w = torch.linalg.solve_triangular(chol.T, z, upper=True).reshape(residual.shape)
+    alpha = v - torch.einsum("nca,na->nc", lam_sqrt, b_inv_w)
+    u = prior_mean + torch.einsum("ncmd,md->nc", kernel, alpha)
+    gain = (residual * u).sum() - 0.5 * (u * torch.einsum("nij,nj->ni", lam, u)).sum()
+    base = lik - 0.5 * prior_quad.to(torch.float64) - 0.5 * logdet
+    return apply_rule(lik, gain, supremum, base, lambda: value)
 
 
 def gp_log_evidence_pseudo_targets(
@@ -207,6 +259,7 @@ class FunctionalLaplace:
         return prior_t
 
     # ------------------------------------------------------------------ fitting
+    @transactional
     @distributed.collective("FunctionalLaplace.fit")
     @in_eval_mode
     def fit(self, data: Batches, *, batch_size: int = 256) -> FunctionalLaplace:
@@ -339,19 +392,25 @@ class FunctionalLaplace:
         prior, sigma = self._hyper(prior_precision, sigma_noise)
         lik = self._likelihood_at(sigma)
         log_lik = lik.log_prob(self._f, self._y).sum()
-        value = gp_log_evidence(
+        result = gp_evidence(
             log_lik,
             lik.residual(self._f, self._y),
             lik.hessian_sqrt(self._f),
             self._m,
             self.train_kernel(prior),
+            supremum=log_likelihood_supremum(lik, self.num_data, self._f.shape[1], sigma),
+            prior_quad=(expand_prior(prior, self.subset) * self.theta_star.square()).sum(),
         )
+        if result.dropped:
+            warn_dropped_correction(result, self, self._m)
+        value = result.value.to(self._f.dtype)
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
             )
         return value
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -490,10 +549,11 @@ class FunctionalLaplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state (tensors and plain values, readable with ``weights_only=True``)."""
+        """The fitted state with its identity (task, subset, fingerprint of the network's
+        other weights); tensors and plain values, readable with ``weights_only=True``."""
         self._require_fit()
         state: dict[str, Any] = {
-            "subset": list(self.subset.names),
+            **identity(self.task, self.subset.names, self.model),
             "prior_precision": self.prior_precision,
             "sigma_noise": self.sigma_noise,
             "theta_star": self.theta_star,
@@ -506,22 +566,62 @@ class FunctionalLaplace:
         if self._components is not None and self._groups is not None:
             state["groups"] = [list(g) for g in self._groups]
             state["components"] = self._components
-        return state
+        return copy_state(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a posterior over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for {len(state['subset'])} parameter tensors "
-                f"{list(state['subset'])}; this posterior covers {list(self.subset.names)}"
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.prior_precision.dtype
+        names = tuple(self.subset.names)
+        return {
+            **identity_schema(self.task, names),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "theta_star": TensorSpec(("P",), dt),
+            "x": TensorSpec(("N", ...), None),
+            "y": TensorSpec(("N", ...), None),
+            "f": TensorSpec(("N", "C"), dt),
+            "m": TensorSpec(("N", "C"), dt),
+            "num_data": Integer(1, dim="N"),
+            "groups": Maybe(NameGroups(names, dim="G")),
+            "components": Maybe(TensorSpec(("G", "N", "C", "N", "C"), dt)),
+        }
+
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a posterior over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        valid = validate_state(
+            state,
+            self._state_schema(),
+            owner="FunctionalLaplace",
+            dims={"P": self.subset.num_params},
+        )
+        if ("groups" in valid) != ("components" in valid):
+            raise StateError(
+                "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
+                "come together"
             )
-        self.prior_precision = state["prior_precision"]
-        self.sigma_noise = state["sigma_noise"]
-        self.theta_star = state["theta_star"]
-        self._x, self._y, self._f, self._m = state["x"], state["y"], state["f"], state["m"]
-        self.num_data = int(state["num_data"])
-        self._groups = [list(g) for g in state["groups"]] if "groups" in state else None
-        self._components = state.get("components")
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="FunctionalLaplace",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        self.prior_precision = self._validate_prior(valid["prior_precision"], valid["f"].dtype)
+        self.sigma_noise = valid["sigma_noise"].clone()
+        self.theta_star = valid["theta_star"].clone()
+        self._x, self._y = valid["x"].clone(), valid["y"].clone()
+        self._f, self._m = valid["f"].clone(), valid["m"].clone()
+        self.num_data = valid["num_data"]
+        self._groups = valid.get("groups")
+        components = valid.get("components")
+        self._components = None if components is None else components.clone()
         self._direct = None
         self._sigma_fit = self.sigma_noise.clone()
         if self.task == "regression":

@@ -52,6 +52,16 @@ from gaussify.predictive import (
     predictive_from_gaussian,
     predictive_from_samples,
 )
+from gaussify.state import (
+    Integer,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
@@ -306,6 +316,7 @@ class SampledLLA:
                 jac=jac[idx],
             )
 
+    @transactional
     @in_eval_mode
     def fit(self, data: Batches, *, progress: bool = False) -> SampledLLA:
         """Draw the randomisation and optimise the S randomised objectives over ``data``.
@@ -565,31 +576,61 @@ class SampledLLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values (loadable with ``torch.load(..., weights_only=True)``)."""
+        """Tensors and plain values (loadable with ``torch.load(..., weights_only=True)``),
+        with the identity of the posterior (task, subset, fingerprint of the other weights)."""
         samples = self._require_fit()
-        return {
-            "subset": list(self.subset.names),
-            "samples": samples,
-            "theta_star": self.theta_star,
-            "delta0": self.delta0,
-            "linear_term": self.linear_term,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "num_data": self.num_data,
-            "seed": self.seed,
-        }
+        return copy_state(
+            {
+                **identity(self.task, self.subset.names, self.model),
+                "samples": samples,
+                "theta_star": self.theta_star,
+                "delta0": self.delta0,
+                "linear_term": self.linear_term,
+                "prior_precision": self.prior_precision,
+                "sigma_noise": self.sigma_noise,
+                "num_data": self.num_data,
+                "seed": self.seed,
+            }
+        )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a SampledLLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for the parameters {list(state['subset'])}, this posterior "
-                f"covers {list(self.subset.names)}"
-            )
-        self.samples, self.theta_star = state["samples"], state["theta_star"]
-        self.delta0, self.linear_term = state["delta0"], state["linear_term"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.num_data, self.seed = int(state["num_data"]), int(state["seed"])
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a SampledLLA over the same model: the
+        whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        dt = self.prior_precision.dtype
+        schema = {
+            **identity_schema(self.task, self.subset.names),
+            "samples": TensorSpec(("S", "P"), dt),
+            "theta_star": TensorSpec(("P",), dt),
+            "delta0": TensorSpec(("S", "P"), dt),
+            "linear_term": TensorSpec(("S", "P"), dt),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "num_data": Integer(1),
+            "seed": Integer(0),
+        }
+        valid = validate_state(
+            state, schema, owner="SampledLLA", dims={"P": self.subset.num_params}
+        )
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="SampledLLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        prior = check_prior(valid["prior_precision"].clone())
+        expand_prior(prior, self.subset)  # the granularity fits this subset
+        self.samples, self.theta_star = valid["samples"].clone(), valid["theta_star"].clone()
+        self.delta0, self.linear_term = valid["delta0"].clone(), valid["linear_term"].clone()
+        self.prior_precision, self.sigma_noise = prior, valid["sigma_noise"].clone()
+        self.num_data, self.seed = valid["num_data"], valid["seed"]
         self.num_samples = int(self.samples.shape[0])
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)

@@ -57,6 +57,18 @@ from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_li
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
+from gaussify.state import (
+    Integer,
+    Number,
+    StateError,
+    TensorSpec,
+    check_network,
+    copy_state,
+    identity,
+    identity_schema,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
 
 __all__ = [
@@ -455,6 +467,7 @@ class VaLLA:
         centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)
         return centres.reshape(m, *x.shape[1:])
 
+    @transactional
     @in_eval_mode
     def initialize(self, data: Batches) -> VaLLA:
         """Set theta*, N, the inducing inputs (K-means, or the given ones), the cached
@@ -643,6 +656,7 @@ class VaLLA:
                 return
             self.chol_raw.copy_(torch.tril(chol_v, -1) + torch.diag_embed(chol_v.diagonal().log()))
 
+    @transactional(clone=("chol_raw",))
     @in_eval_mode
     def set_optimal_covariance(self, data: Batches, *, batch_size: int = 256) -> VaLLA:
         """Closed-form q(u) for fixed Z and hyperparameters (VaLLA Prop. 2 / Titsias 2009):
@@ -687,6 +701,7 @@ class VaLLA:
                 count += x.shape[0]
         return total / max(count, 1)
 
+    @transactional(clone=("log_prior", "log_sigma", "inducing_points", "chol_raw"))
     @in_eval_mode
     def fit(
         self,
@@ -855,34 +870,63 @@ class VaLLA:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The variational and hyperparameters plus theta* and N (plain tensors and numbers,
-        loadable with ``torch.load(..., weights_only=True)``); the network itself is not
-        included (save it separately)."""
+        """The variational and hyperparameters plus theta*, N and the identity of the
+        posterior (task, subset, fingerprint of the network's other weights); plain tensors
+        and numbers, loadable with ``torch.load(..., weights_only=True)``. The network itself
+        is not included (save it separately)."""
         self._require_init()
         state: dict[str, Any] = {k: v for k, v in self._variational_state().items()}
         state.update(
+            identity(self.task, self.subset.names, self.model),
             theta_star=self.theta_star,
             num_data=self.num_data,
-            subset=list(self.subset.names),
             alpha=self.alpha,
         )
-        return state
+        return copy_state(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a VaLLA over the same model."""
-        if list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                f"state: was saved for the parameters {list(state['subset'])}, this posterior "
-                f"covers {list(self.subset.names)}"
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a VaLLA over the same model: the whole
+        state is validated first (:mod:`gaussify.state`), theta* and the other weights
+        against the model (a mismatch raises; ``strict=False`` warns); a failed load
+        changes nothing."""
+        dt = self.log_prior.dtype
+        schema = {
+            **identity_schema(self.task, self.subset.names),
+            "chol_raw": TensorSpec(("K", "K"), dt),
+            "log_prior": TensorSpec(tuple(self.log_prior.shape), dt),
+            "log_sigma": TensorSpec(tuple(self.log_sigma.shape), dt),
+            "inducing_points": TensorSpec(("M", ...), "float"),
+            "theta_star": TensorSpec(("P",), dt),
+            "num_data": Integer(1),
+            "alpha": Number(positive=False),
+        }
+        valid = validate_state(state, schema, owner="VaLLA", dims={"P": self.subset.num_params})
+        current = self.subset.flatten(self.subset.params(self.model))
+        check_network(
+            state,
+            valid,
+            owner="VaLLA",
+            task=self.task,
+            model=self.model,
+            subset=self.subset.names,
+            current=current,
+            strict=strict,
+        )
+        z = valid["inducing_points"]
+        if valid["chol_raw"].shape[0] % z.shape[0]:
+            raise StateError(
+                "VaLLA.load_state_dict: invalid state: 'chol_raw': expected a multiple of the "
+                f"{z.shape[0]} inducing points rows, got {valid['chol_raw'].shape[0]}"
             )
-        self.theta_star = state["theta_star"]
-        self.num_data = int(state["num_data"])
-        self.alpha = float(state["alpha"])
-        z = state["inducing_points"]
+        self.theta_star = valid["theta_star"].clone()
+        self.num_data = valid["num_data"]
+        self.alpha = valid["alpha"]
         self.inducing_points = z.clone().requires_grad_(self.learn_inducing)
-        self.chol_raw = state["chol_raw"].clone().requires_grad_(True)
-        self.log_prior = state["log_prior"].clone().requires_grad_(self.learn_prior)
-        self.log_sigma = state["log_sigma"].clone().requires_grad_(self.learn_noise)
+        self.num_outputs = valid["chol_raw"].shape[0] // z.shape[0]
+        self.chol_raw = valid["chol_raw"].clone().requires_grad_(True)
+        self.log_prior = valid["log_prior"].clone().requires_grad_(self.learn_prior)
+        self.log_sigma = valid["log_sigma"].clone().requires_grad_(self.learn_noise)
         self._gen = torch.Generator().manual_seed(self.seed)
         self._initialised = True
         self._refresh_cache()

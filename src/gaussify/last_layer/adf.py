@@ -29,6 +29,15 @@ from gaussify.approx_likelihoods.pseudo_targets import check_labels
 from gaussify.batches import Batches
 from gaussify.last_layer.exact import augment, check_features
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Choice,
+    Integer,
+    Maybe,
+    TensorSpec,
+    copy_state,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_count, validated_batches
 
 __all__ = ["ADFLastLayer", "SGDLastLayer", "adf_moments"]
@@ -92,6 +101,7 @@ class ADFLastLayer:
         self.num_damped = 0
         return self
 
+    @transactional
     def update(self, phi: Tensor, y: Tensor) -> ADFLastLayer:
         """Absorb the points of a batch one at a time (ADF is sequential by construction)."""
         x_all = augment(check_features(phi, self.in_features), self.bias, self.dtype)
@@ -120,6 +130,7 @@ class ADFLastLayer:
         self.covariance = 0.5 * (cov + cov.transpose(-1, -2))
         self.num_data += 1
 
+    @transactional
     def fit(self, data: Batches, batch_size: int = 256) -> ADFLastLayer:
         """Reset and absorb ``data`` point by point, in order."""
         batches = validated_batches(
@@ -159,18 +170,32 @@ class ADFLastLayer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Posterior state (tensors and plain values)."""
-        return {
-            "mean": self.mean,
-            "covariance": self.covariance,
-            "num_data": self.num_data,
-            "num_damped": self.num_damped,
-        }
+        """Posterior state (tensors and plain values, copies)."""
+        return copy_state(
+            {
+                "task": self.task,
+                "mean": self.mean,
+                "covariance": self.covariance,
+                "num_data": self.num_data,
+                "num_damped": self.num_damped,
+            }
+        )
 
+    @transactional
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.mean, self.covariance = state["mean"], state["covariance"]
-        self.num_data, self.num_damped = int(state["num_data"]), int(state["num_damped"])
+        """Restore :meth:`state_dict`; the whole state is validated first
+        (:mod:`gaussify.state`) and a failed load changes nothing."""
+        d, k, dt = self.num_features, self.num_classes, self.dtype
+        schema = {
+            "task": Maybe(Choice((self.task,), "the task of this layer")),
+            "mean": TensorSpec((d, k), dt),
+            "covariance": TensorSpec((k, d, d), dt),
+            "num_data": Integer(0),
+            "num_damped": Integer(0),
+        }
+        valid = validate_state(state, schema, owner=type(self).__name__)
+        self.mean, self.covariance = valid["mean"].clone(), valid["covariance"].clone()
+        self.num_data, self.num_damped = valid["num_data"], valid["num_damped"]
 
 
 class SGDLastLayer:
@@ -223,6 +248,7 @@ class SGDLastLayer:
         self.num_data += x.shape[0]
         return self
 
+    @transactional
     def fit(self, data: Batches, batch_size: int = 256) -> SGDLastLayer:
         """Reset and take the batches of ``data`` in order."""
         batches = validated_batches(

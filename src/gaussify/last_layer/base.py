@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.predictive import Predictive
+from gaussify.state import StateError, validate_module_state
 from gaussify.validation import check_count, check_finite
 
 __all__ = [
@@ -90,6 +91,24 @@ class VBLLHead(nn.Module, ABC):
     """
 
     task: ClassVar[str]
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` after checking the whole state first (keys, shapes,
+        NaN/inf; :func:`gaussify.state.validate_module_state`), so that a bad state raises
+        one ``ValueError`` and leaves the head unchanged."""
+        validate_module_state(self, state_dict, strict=strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        # also when the head is loaded as part of a larger model: no NaN/inf posterior
+        for key, value in state_dict.items():
+            mine = key.startswith(prefix) and isinstance(value, Tensor)
+            if mine and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise StateError(
+                    f"{type(self).__name__}.load_state_dict: invalid state: {key!r}: "
+                    "contains NaN or inf"
+                )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def __init__(
         self,

@@ -40,10 +40,21 @@ from gaussify.approx_likelihoods import (
     select_alpha_eps,
     tune_alpha_eps,
 )
-from gaussify.approx_likelihoods.pseudo_targets import Basis, Method, check_labels
+from gaussify.approx_likelihoods.pseudo_targets import METHODS, Basis, Method, check_labels
 from gaussify.batches import Batches
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import (
+    Choice,
+    Flag,
+    Integer,
+    Maybe,
+    Number,
+    TensorSpec,
+    copy_state,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_finite, validated_batches
 
 __all__ = ["ExactLastLayer", "augment", "check_features"]
@@ -159,6 +170,7 @@ class ExactLastLayer:
         mean, var = self.pseudo_likelihood.pseudo_targets(y, self.num_classes, dtype=self.dtype)
         return mean.reshape(n, self.num_outputs), var.reshape(n, self.num_outputs)
 
+    @transactional
     def update(self, phi: Tensor, y: Tensor) -> ExactLastLayer:
         """Condition on one batch ``phi (B, D)``, ``y (B,)``: a rank-B Kalman update per
         column (``streaming=True``) or an information update (``streaming=False``)."""
@@ -195,6 +207,7 @@ class ExactLastLayer:
             + (-0.5 * whitened.square().sum(-1) - 0.5 * logdet - 0.5 * x.shape[0] * _LOG_2PI).sum()
         )
 
+    @transactional
     @distributed.collective("ExactLastLayer.fit")
     def fit(
         self, data: Batches, batch_size: int = 256, *, progress: bool = False
@@ -354,6 +367,7 @@ class ExactLastLayer:
             dtype=self.dtype,
         )
 
+    @transactional
     def tune_alpha_eps(
         self,
         phi: Tensor,
@@ -406,6 +420,7 @@ class ExactLastLayer:
         ``torch.load(..., weights_only=True)`` reads it)."""
         pl = self.pseudo_likelihood
         state: dict[str, Any] = {
+            "task": self.task,
             "method": pl.method,
             "basis": pl.basis,
             "alpha_eps": float(pl.alpha_eps),
@@ -426,27 +441,50 @@ class ExactLastLayer:
                 quad=self._quad,
                 log_norm=self._log_norm,
             )
-        return state
+        return copy_state(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into a layer of the same shape and mode."""
-        if state["streaming"] != self.streaming or state["bias"] != self.bias:
-            raise ValueError(
-                "state: saved with streaming="
-                f"{state['streaming']}, bias={state['bias']}; this layer has "
-                f"streaming={self.streaming}, bias={self.bias}"
-            )
-        self.pseudo_likelihood = _make_pseudo_likelihood(
-            state["method"], state["basis"], state["alpha_eps"], state["beta_eps"], state["noise"]
-        )
-        self.prior_precision = float(state["prior_precision"])
-        self.num_data = int(state["num_data"])
-        self._log_evidence = state["log_evidence"]
+    def _state_schema(self) -> dict[str, Any]:
+        d, k, dt = self.num_features, self.num_outputs, self.dtype
+        schema: dict[str, Any] = {
+            "task": Maybe(Choice((self.task,), "the task of this layer")),
+            "method": Choice(METHODS),
+            "basis": Choice((self.pseudo_likelihood.basis,), "the basis of this layer"),
+            "alpha_eps": Number(),
+            "beta_eps": Maybe(Number(), none=True),
+            "noise": Number(positive=False),
+            "prior_precision": Number(),
+            "bias": Flag(self.bias, "this layer's bias setting"),
+            "streaming": Flag(self.streaming, "this layer's streaming setting"),
+            "num_data": Integer(0),
+            "log_evidence": TensorSpec((), dt),
+        }
         if self.streaming:
-            self._mean, self._cov = state["mean"], state["cov"]
+            schema.update(mean=TensorSpec((d, k), dt), cov=TensorSpec((k, d, d), dt))
         else:
-            self._precision, self._eta = state["precision"], state["eta"]
-            self._quad, self._log_norm = state["quad"], state["log_norm"]
+            schema.update(
+                precision=TensorSpec((k, d, d), dt),
+                eta=TensorSpec((d, k), dt),
+                quad=TensorSpec((k,), dt),
+                log_norm=TensorSpec((k,), dt),
+            )
+        return schema
+
+    @transactional
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a layer of the same shape and mode; the whole state
+        is validated first (:mod:`gaussify.state`) and a failed load changes nothing."""
+        valid = validate_state(state, self._state_schema(), owner="ExactLastLayer")
+        self.pseudo_likelihood = _make_pseudo_likelihood(
+            valid["method"], valid["basis"], valid["alpha_eps"], valid["beta_eps"], valid["noise"]
+        )
+        self.prior_precision = valid["prior_precision"]
+        self.num_data = valid["num_data"]
+        self._log_evidence = valid["log_evidence"].clone()
+        if self.streaming:
+            self._mean, self._cov = valid["mean"].clone(), valid["cov"].clone()
+        else:
+            self._precision, self._eta = valid["precision"].clone(), valid["eta"].clone()
+            self._quad, self._log_norm = valid["quad"].clone(), valid["log_norm"].clone()
             self._solved = None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from gaussify.batches import Batches
 from gaussify.model_checks import in_eval_mode
+from gaussify.state import transactional
 from gaussify.validation import validated_batches
 from gaussify.weight_space.ngvi import NaturalGradientVI
 from gaussify.weight_space.ngvi_math import blend_curvature
@@ -40,6 +41,7 @@ class GLMVI(NaturalGradientVI):
     sampling = True
     default_method = "glm"
 
+    @transactional
     @in_eval_mode
     def init_laplace(self, data: Batches, batch_size: int = 256) -> GLMVI:
         """Set q_0 to the Laplace-GGN posterior of the GLM at theta*: mean theta*, precision

@@ -45,11 +45,7 @@ from gaussify.curvature.subset import (
     require_whole_tensors,
     select_parameters,
 )
-from gaussify.evidence import (
-    gaussian_log_likelihood,
-    laplace_log_evidence,
-    optimize_hyperparameters,
-)
+from gaussify.evidence import optimize_hyperparameters
 from gaussify.likelihoods import (
     Gaussian,
     Likelihood,
@@ -66,8 +62,11 @@ from gaussify.predictive import (
     predictive_from_samples,
 )
 from gaussify.spectral import Spectrum, adam_maximize, build_spectrum
+from gaussify.state import transactional
 from gaussify.validation import check_count, check_inputs, validated_batches
 from gaussify.weight_space.joint import function_samples, joint_predictive
+from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
+from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
 
 __all__ = ["Laplace"]
 
@@ -94,7 +93,11 @@ class Laplace:
     approximate A (diag, kron, lowrank, EF or Monte Carlo curvature) it can exceed the largest
     gain possible (for regression, the whole residual sum of squares) and grows without bound
     as the prior precision and noise shrink, so tuning runs off to ~1e-7. Default (None): on
-    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence).
+    for the exact full GGN, off otherwise (as in Immer et al. 2021's KFAC evidence). Rule
+    (:mod:`gaussify.evidence`), for every structure: where the Newton model's log-likelihood
+    at its mode exceeds the likelihood's supremum (0 for class labels), the correction is
+    dropped with an :class:`~gaussify.warnings.EvidenceWarning`, so class labels always get
+    log Z <= 0 (far from a MAP, e.g. logits scaled x10, it gave +4420).
     ``prior_mean``: mean m0 of the Gaussian prior N(m0, P0^-1), a scalar or one value per
     parameter (e.g. the previous task's posterior mean in continual learning); default 0.
     Extra keyword arguments (``ef``, ``mc_samples``, ``rank``, ``kfac_approx``, ``chunk_size``)
@@ -236,6 +239,7 @@ class Laplace:
 
     # ------------------------------------------------------------------ fitting
 
+    @transactional
     @distributed.collective("Laplace.fit")
     @in_eval_mode
     def fit(
@@ -447,6 +451,7 @@ class Laplace:
         f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
         return f + offset, offset, None
 
+    @transactional
     @distributed.collective("Laplace.refine")
     @in_eval_mode
     def refine(
@@ -653,7 +658,11 @@ class Laplace:
         sigma_noise: Tensor | float | None = None,
     ) -> Tensor:
         """Laplace log evidence (thesis eq. 3.17-3.18, see evidence.py), differentiable in the
-        hyperparameters; defaults to the current ones."""
+        hyperparameters; defaults to the current ones. Evaluated in float64 (returned in the
+        model's dtype) and merged per eigenvector where the structure has an eigenbasis for
+        this prior (:meth:`spectrum`); with the correction, the rule of :mod:`gaussify.evidence`
+        drops it, with an :class:`~gaussify.warnings.EvidenceWarning`, where its Newton model
+        would exceed the likelihood's supremum (so class labels always give log Z <= 0)."""
         self._require_fit()
         dtype = self.mean.dtype
         prior = (
@@ -664,29 +673,15 @@ class Laplace:
         sigma = (
             self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
         )
-        post = self.posterior_at(prior, sigma)
-        scale = self._scale(sigma)
-        if self.task == "regression":
-            assert self._sse is not None
-            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
-        else:
-            log_lik = self._log_lik / self.temperature
-        # The gradient of the tempered log-likelihood scales like the GGN: (sigma_fit/sigma)^2 / T.
-        grad = self._grad * scale
-        value = laplace_log_evidence(
-            log_lik,
-            self.mean - self.prior_mean,  # the prior N(m0, P0^-1) sees theta - m0
-            expand_prior(prior, self.subset).to(dtype),
-            post.logdet(),
-            post.solve,
-            grad if self.correction else None,
-        )
+        result = fitted_log_evidence(self, prior, sigma)
+        value = result.value
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
             )
-        return value
+        return value.to(dtype)
 
+    @transactional
     def optimize_prior(
         self,
         data: Batches | None = None,
@@ -808,11 +803,7 @@ class Laplace:
         eigenvalues, eig_groups, projections = out
         sigma = self.sigma_noise
         scale = float(self._scale(sigma))
-        if self.task == "regression":
-            assert self._sse is not None
-            log_lik = gaussian_log_likelihood(self._sse, self.num_data, sigma, self.temperature)
-        else:
-            log_lik = self._log_lik / self.temperature
+        log_lik, supremum = log_lik_and_supremum(self, sigma)
         tunable = tune_noise and self.task == "regression"
         sse = self._sse
         return build_spectrum(
@@ -827,6 +818,7 @@ class Laplace:
             sse=float(sse.sum()) if tunable and sse is not None else None,
             count=self.num_data * (sse.numel() if sse is not None else 1),
             param_group=groups,
+            supremum_ref=None if supremum is None else float(supremum),
         )
 
     # ------------------------------------------------------------------ prediction
@@ -946,59 +938,18 @@ class Laplace:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to restore the fitted posterior (tensors and plain values, so
-        ``torch.load(..., weights_only=True)`` can read it)."""
+        """Everything needed to restore the fitted posterior, with the task, structure,
+        subset, theta* and a fingerprint of the network it belongs to (tensors and plain
+        values: ``torch.load(..., weights_only=True)`` reads it)."""
         self._require_fit()
-        state: dict[str, Any] = {
-            "structure": self.structure,
-            "subset": list(self.subset.names),
-            "mean": self.mean,
-            "theta_star": self.theta_star,
-            "prior_precision": self.prior_precision,
-            "prior_mean": self.prior_mean,
-            "sigma_noise": self.sigma_noise,
-            "sigma_fit": self._sigma_fit,
-            "temperature": self.temperature,
-            "num_data": self.num_data,
-            "log_lik": self._log_lik,
-            "grad": self._grad,
-            "curvature": self._curvature.state_dict(),
-        }
-        if self._sse is not None:
-            state["sse"] = self._sse
-        if self.subset.indices is not None:
-            state["subset_indices"] = self.subset.indices
-        return state
+        return laplace_state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` into a Laplace over the same model."""
-        mine, theirs = self.subset.indices, state.get("subset_indices")
-        if (mine is None) != (theirs is None) or (
-            mine is not None and not torch.equal(mine, torch.as_tensor(theirs))
-        ):
-            raise ValueError(
-                "state: was saved for a different subnetwork of individual weights "
-                f"({0 if theirs is None else len(theirs)} selected, this posterior has "
-                f"{0 if mine is None else len(mine)}; 0 = whole tensors)"
-            )
-        if state["structure"] != self.structure or list(state["subset"]) != list(self.subset.names):
-            raise ValueError(
-                "state: was saved for structure "
-                f"{state['structure']!r} over {len(state['subset'])} parameter tensors; this "
-                f"posterior is {self.structure!r} over {len(self.subset.names)}"
-            )
-        curvature = make_curvature(
-            self.structure, self.model, self.likelihood, self.subset, **self.curvature_options
-        )
-        curvature.load_state_dict(state["curvature"])
-        self._curvature = curvature
-        self.mean, self.theta_star = state["mean"], state["theta_star"]
-        self.prior_precision, self.sigma_noise = state["prior_precision"], state["sigma_noise"]
-        self.prior_mean = state.get("prior_mean", 0.0)
-        self._sigma_fit = state["sigma_fit"]
-        self.temperature, self.num_data = float(state["temperature"]), int(state["num_data"])
-        self._log_lik, self._grad = state["log_lik"], state["grad"]
-        self._sse = state.get("sse")
-        if self.task == "regression":
-            self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
-        self._posterior = None
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore a state from :meth:`state_dict` into a Laplace over the same model.
+
+        The whole state is validated first (:mod:`gaussify.state`): keys, task, structure,
+        subset, shapes, dtypes, NaN/inf, and the saved theta* and other weights against the
+        model's current ones (a mismatch raises; ``strict=False`` warns instead). A failed
+        load leaves the posterior as it was."""
+        load_laplace_state(self, state, strict=strict)

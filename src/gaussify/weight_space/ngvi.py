@@ -56,6 +56,20 @@ from gaussify.predictive import (
     predictive_from_gaussian,
     predictive_from_samples,
 )
+from gaussify.state import (
+    Choice,
+    Integer,
+    Maybe,
+    Names,
+    Nested,
+    Number,
+    TensorSpec,
+    check_fingerprint,
+    model_fingerprint,
+    require_task,
+    transactional,
+    validate_state,
+)
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
 from gaussify.weight_space.ngvi_math import (
     STRUCTURES,
@@ -339,6 +353,7 @@ class NaturalGradientVI:
             self._write(self.mean)
         return total
 
+    @transactional
     @in_eval_mode
     def step(self, batch: tuple[Tensor, Tensor], num_data: int | None = None) -> float:
         """One NGVI step (eq. 4.2-4.3) on a minibatch ``(x (B, ...), y)`` of a data set of
@@ -383,6 +398,7 @@ class NaturalGradientVI:
         self.steps += 1
         return log_lik / (rows * x.shape[0])
 
+    @transactional(model=True)
     @in_eval_mode
     def fit(
         self,
@@ -534,9 +550,12 @@ class NaturalGradientVI:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything to restore q_t (tensors and plain values: ``weights_only`` loadable)."""
+        """Everything to restore q_t (tensors and plain values: ``weights_only`` loadable),
+        with its identity: variant, task, structure, subset and a fingerprint of the network's
+        weights outside the subset (:func:`gaussify.state.model_fingerprint`)."""
         state: dict[str, Any] = {
             "variant": type(self).__name__,
+            "task": self.task,
             "structure": self.structure,
             "subset": list(self.subset.names),
             "mean": self.mean.clone(),
@@ -548,32 +567,69 @@ class NaturalGradientVI:
             "steps": self.steps,
             "curvature": {k: v.clone() for k, v in self._state.items()},
             "elbo": torch.tensor(self.history.elbo, dtype=torch.float64),
+            "model_fingerprint": model_fingerprint(self.model, exclude=self.subset.names),
         }
         if self.theta_lin is not None:
             state["theta_lin"] = self.theta_lin.clone()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _state_schema(self) -> dict[str, Any]:
+        dt = self.mean.dtype
+        curvature = self._holder.state_schema()
+        curvature.update(
+            {f"W.{k[2:]}": TensorSpec((), "float") for k in curvature if k.startswith("A.")}
+        )
+        schema: dict[str, Any] = {
+            "variant": Choice((type(self).__name__,), "the variant of this engine"),
+            "task": Maybe(Choice((self.task,), "the task of this posterior")),
+            "structure": Choice((self.structure,), "the structure of this posterior"),
+            "subset": Names(tuple(self.subset.names)),
+            "mean": TensorSpec(("P",), dt),
+            "prior_precision": TensorSpec(None, dt, positive=True),
+            "sigma_noise": TensorSpec(None, dt, positive=True),
+            "lr": Number(),
+            "num_samples": Integer(1),
+            "num_data": Maybe(Integer(1), none=True),
+            "steps": Integer(0),
+            "curvature": Nested(curvature),
+            "elbo": TensorSpec((None,), torch.float64, finite=False),
+            "model_fingerprint": Maybe(TensorSpec((None, 3), None)),
+        }
+        if self.theta_lin is not None:
+            schema["theta_lin"] = TensorSpec(("P",), dt)
+        return schema
+
+    @transactional(model=True)
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Restore :meth:`state_dict` into an engine of the same variant over the same model;
-        the model's subset parameters are set to mu (theta* for GLM-VI)."""
-        mine = (type(self).__name__, self.structure, list(self.subset.names))
-        theirs = (state["variant"], state["structure"], list(state["subset"]))
-        if mine != theirs:
-            raise ValueError(
-                f"state: saved for {theirs[0]} ({theirs[1]!r}, {len(theirs[2])} parameter "
-                f"tensors); this is {mine[0]} ({mine[1]!r}, {len(mine[2])})"
-            )
-        self.mean = state["mean"].clone()
-        self.prior_precision = state["prior_precision"].clone()
-        self._prior_vec = expand_prior(self.prior_precision, self.subset).to(self.mean.dtype)
-        self.sigma_noise = state["sigma_noise"].clone()
+        the model's subset parameters are set to mu (theta* for GLM-VI). The whole state is
+        validated first (:mod:`gaussify.state`), including the network's weights outside the
+        subset (a mismatch raises; ``strict=False`` warns); a failed load changes nothing."""
+        valid = validate_state(
+            state,
+            self._state_schema(),
+            owner=type(self).__name__,
+            dims={"P": self.subset.num_params},
+        )
+        require_task(state, self.task, type(self).__name__)
+        check_fingerprint(
+            valid.get("model_fingerprint"),
+            self.model,
+            owner=type(self).__name__,
+            exclude=self.subset.names,
+            strict=strict,
+        )
+        prior = check_prior(valid["prior_precision"].clone())
+        prior_vec = expand_prior(prior, self.subset).to(self.mean.dtype)  # checks granularity
+        self.mean, self.prior_precision, self._prior_vec = valid["mean"].clone(), prior, prior_vec
+        self.sigma_noise = valid["sigma_noise"].clone()
         if self.task == "regression":
             self.likelihood = get_likelihood("regression", sigma_noise=self.sigma_noise)
-        self.lr, self.num_samples = float(state["lr"]), int(state["num_samples"])
-        self.num_data, self.steps = state["num_data"], int(state["steps"])
-        self._state = {k: v.clone() for k, v in state["curvature"].items()}
-        self.history = NGVIHistory(elbo=[float(v) for v in state["elbo"]])
-        self.theta_lin = state.get("theta_lin")
+        self.lr, self.num_samples = valid["lr"], valid["num_samples"]
+        self.num_data, self.steps = valid["num_data"], valid["steps"]
+        self._state = {k: torch.as_tensor(v).clone() for k, v in state["curvature"].items()}
+        self.history = NGVIHistory(elbo=[float(v) for v in valid["elbo"]])
+        self.theta_lin = valid["theta_lin"].clone() if "theta_lin" in valid else None
         self._write(self._point())
         self._posterior = None
 

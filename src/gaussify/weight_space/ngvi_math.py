@@ -124,10 +124,16 @@ def initial_curvature_state(
 
 def gaussian_kl(mean: Tensor, posterior: Any, prior_vec: Tensor) -> Tensor:
     """KL(N(mu, Lambda^-1) || N(0, diag(prior)^-1)) for a structured ``posterior`` precision:
-    1/2 [tr(P0 Sigma) + mu^T P0 mu - P + log det Lambda - log det P0] (thesis eq. 2.14)."""
-    trace = (prior_vec * posterior.covariance_diag()).sum()
-    quad = (prior_vec * mean.square()).sum()
-    return 0.5 * (trace + quad - mean.numel() + posterior.logdet() - prior_vec.log().sum())
+    1/2 [tr(P0 Sigma) + mu^T P0 mu - P + log det Lambda - log det P0] (thesis eq. 2.14),
+    summed in float64 (tr(P0 Sigma) - P and the log-determinants cancel at large priors) and
+    returned in ``mean``'s dtype."""
+    wide = torch.float64
+    prior = prior_vec.to(wide)
+    trace = (prior * posterior.covariance_diag().to(wide)).sum()
+    quad = (prior * mean.to(wide).square()).sum()
+    logdet = getattr(posterior, "logdet_wide", posterior.logdet)().to(wide)
+    kl = 0.5 * (trace + quad - mean.numel() + logdet - prior.log().sum())
+    return kl.to(mean.dtype)
 
 
 def output_quadratic(hessian: Tensor, jv: Tensor) -> Tensor:

@@ -1,0 +1,88 @@
+"""The log evidence of a fitted :class:`Laplace`: which formula of :mod:`gaussify.evidence`
+evaluates it, and with what.
+
+Where the curvature structure has an eigenbasis that diagonalises the prior without a new
+factorisation (its ``spectrum``: diag with any prior, kron with one prior per block, full with
+a scalar prior once G's eigendecomposition is cached), the evidence is evaluated per
+eigenvector (:func:`gaussify.evidence.eigenbasis_log_evidence`: the correction merged with the
+prior term, the same formula that :mod:`gaussify.spectral` tunes); elsewhere from the
+posterior precision's log det and solves (:func:`gaussify.evidence.laplace_log_evidence`),
+in float64 where the structure offers ``logdet_wide`` / ``solve_wide``. Both apply the rule
+that drops an impossible non-MAP correction; a drop warns once per fit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from gaussify.curvature.subset import expand_prior
+from gaussify.evidence import (
+    EvidenceValue,
+    eigenbasis_log_evidence,
+    gaussian_log_likelihood,
+    laplace_log_evidence,
+    log_likelihood_supremum,
+    warn_dropped_correction,
+)
+
+if TYPE_CHECKING:
+    from gaussify.weight_space.laplace import Laplace
+
+__all__ = ["fitted_log_evidence", "log_lik_and_supremum"]
+
+
+def log_lik_and_supremum(la: Laplace, sigma: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(tempered log-likelihood at theta*, its supremum L_sup for the correction's rule, or
+    None without the correction)."""
+    outputs = 1 if la._sse is None else la._sse.numel()
+    sup = log_likelihood_supremum(la.likelihood, la.num_data, outputs, sigma, la.temperature)
+    sup = sup if la.correction else None
+    if la.task != "regression":
+        return la._log_lik / la.temperature, sup
+    assert la._sse is not None
+    return gaussian_log_likelihood(la._sse, la.num_data, sigma, la.temperature), sup
+
+
+def _eigenbasis(la: Laplace, prior: Tensor, theta: Tensor) -> tuple[Tensor, Tensor, list] | None:
+    """The structure's (eigenvalues, prior group per eigenvector, [V^T g, V^T theta] with the
+    correction) for ``prior``'s granularity, when it has them without a new factorisation."""
+    method = getattr(la._curvature, "spectrum", None)
+    if method is None or not getattr(la._curvature, "eigenbasis_cached", True):
+        return None
+    p, k = la.subset.num_params, prior.numel()
+    per_tensor = k == len(la.subset.names) and k != p
+    groups = la._prior_groups("scalar" if k == 1 else ("layer" if per_tensor else "diag"))
+    return method(groups, [la._grad, theta] if la.correction else [])
+
+
+def fitted_log_evidence(la: Laplace, prior: Tensor, sigma: Tensor) -> EvidenceValue:
+    """The log evidence of the fitted ``la`` at prior precision ``prior`` and noise ``sigma``
+    (float64, differentiable in both; warns where the correction is dropped)."""
+    post = la.posterior_at(prior, sigma)  # validates prior and sigma
+    scale = la._scale(sigma)
+    log_lik, supremum = log_lik_and_supremum(la, sigma)
+    theta = la.mean - la.prior_mean  # the prior N(m0, P0^-1) sees theta - m0
+    prior_vec = expand_prior(prior, la.subset)
+    parts = _eigenbasis(la, prior, theta)
+    if parts is not None:
+        evals, eig_groups, projections = parts
+        delta = prior.reshape(-1).to(torch.float64)[eig_groups.to(prior.device)]
+        result = eigenbasis_log_evidence(
+            log_lik, evals, scale, delta, prior_vec, theta, projections, supremum=supremum
+        )
+    else:
+        result = laplace_log_evidence(
+            log_lik,
+            theta,
+            prior_vec,
+            getattr(post, "logdet_wide", post.logdet)(),
+            getattr(post, "solve_wide", post.solve),
+            la._grad * scale if la.correction else None,  # g / T scales like G
+            supremum=supremum,
+        )
+    if result.dropped:
+        warn_dropped_correction(result, la, la._curvature)
+    return result

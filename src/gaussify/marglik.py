@@ -22,6 +22,7 @@ from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.subset import select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.training import GaussianLogPrior
+from gaussify.validation import check_count, check_data
 from gaussify.weight_space.laplace import Laplace, Structure
 
 __all__ = ["MarglikHistory", "marglik_training"]
@@ -65,8 +66,10 @@ def marglik_training(
     Returns the model restored to the epoch with the best log evidence, the Laplace posterior
     fitted there with the learned hyperparameters, and the history.
     """
-    if epochs <= 0 or marglik_frequency <= 0 or n_hypersteps <= 0:
-        raise ValueError("epochs, marglik_frequency, n_hypersteps: must be positive integers")
+    epochs = check_count(epochs, "epochs")
+    marglik_frequency = check_count(marglik_frequency, "marglik_frequency")
+    n_hypersteps = check_count(n_hypersteps, "n_hypersteps")
+    batch_size = check_count(batch_size, "batch_size")
     if burnin < 0 or burnin >= epochs:
         raise ValueError(f"burnin: must be in [0, epochs), got {burnin}")
     if prior_structure not in ("scalar", "layer"):
@@ -77,6 +80,7 @@ def marglik_training(
     if seed is not None:
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(seed)
+    data = check_data(data, model=model, task=lik.task, owner="marglik_training", multi_pass=True)
     batches = as_batches(data, batch_size=batch_size, shuffle=True, generator=generator)
     fit_batches = as_batches(data, batch_size=max(batch_size, 256))
     n_data = num_examples(batches)

@@ -23,29 +23,81 @@ def test_datasets_lists_every_bundled_dataset(capsys: pytest.CaptureFixture[str]
         assert name in out
 
 
-def test_demo_writes_report_and_figure(tmp_path: Path) -> None:
+def test_demo_writes_report_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--epochs", "3", "--out", str(tmp_path), "--dataset", "iris"]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    png = (tmp_path / "reliability.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in cli.DEMO_OUTPUTS[1:]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["dataset"] == "iris"
-    # every family with a trained-network entry point appears in the demo
-    families = {"map", "laplace-kron", "laplace-ll-full", "vbll-disc-posthoc", "ella"}
-    assert families <= set(report["test"])
-    for row in report["test"].values():
-        assert 0 <= row["acc"] <= 1 and row["nll"] > 0 and 0 <= row["ece"] <= row["mce"] <= 1
+    # every family with a trained-network entry point appears in every section, MAP first
+    families = ["map", "laplace-kron", "laplace-ll-full", "vbll-disc-posthoc", "ella"]
+    metric_keys = {"acc", "nll", "ece", "brier"}
+    for section in ("in_distribution", "shifted", "ood"):
+        assert list(report[section]) == families
+    for name in families:
+        for section in ("in_distribution", "shifted"):
+            row = report[section][name]
+            assert set(row) == metric_keys
+            assert 0 <= row["acc"] <= 1 and row["nll"] > 0 and 0 <= row["ece"] <= 1
+        assert set(report["ood"][name]) == {"auroc"} and 0 <= report["ood"][name]["auroc"] <= 1
+        per = report["shift"]["by_strength"][name]
+        assert len(per) == len(report["shift"]["strengths"]) == 4
+        # the pooled shifted accuracy is the mean of the equally sized strengths' accuracies
+        assert report["shifted"][name]["acc"] == pytest.approx(
+            sum(r["acc"] for r in per) / len(per), abs=1e-12
+        )
+    assert report["ood_set"]["n"] == report["n_test"]
+    # the printed table: one line saying what each section shows, then its rows as in the JSON
+    out = capsys.readouterr().out.splitlines()
+    heads = [i for i, line in enumerate(out) if line.split(":")[0] in cli_sections()]
+    assert [out[i].split(":")[0] for i in heads] == list(cli_sections())
+    ood_rows = out[heads[2] + 2 : heads[2] + 2 + len(families)]
+    assert [line.split() for line in ood_rows] == [
+        [name, f"{report['ood'][name]['auroc']:.4f}"] for name in families
+    ]
+
+
+def cli_sections() -> tuple[str, ...]:
+    return ("in-distribution", "shifted", "out-of-distribution")
 
 
 def test_demo_is_deterministic_and_reports_the_metrics_of_its_model(tmp_path: Path) -> None:
     args = ["demo", "--epochs", "2", "--dataset", "wine", "--out"]
     main([*args, str(tmp_path / "a")])
     main([*args, str(tmp_path / "b")])
-    a = json.loads((tmp_path / "a" / "report.json").read_text())["test"]
-    b = json.loads((tmp_path / "b" / "report.json").read_text())["test"]
-    assert a == b
+    a = json.loads((tmp_path / "a" / "report.json").read_text())
+    b = json.loads((tmp_path / "b" / "report.json").read_text())
+    for section in ("in_distribution", "shifted", "ood", "shift"):
+        assert a[section] == b[section]
     # a uniform predictor would score log(3) on wine; two epochs of MAP already beat chance
     uniform = metrics.nll(torch.full((10, 3), 1 / 3), torch.zeros(10, dtype=torch.long))
-    assert a["map"]["nll"] < uniform
+    assert a["in_distribution"]["map"]["nll"] < uniform
+
+
+@pytest.mark.slow
+def test_demo_on_digits_shows_where_the_gaussian_methods_help(tmp_path: Path) -> None:
+    """The demo's claims on its real run (default settings, digits, about 20 s): MAP has the
+    best in-distribution NLL, yet a Gaussian method beats it on the rotated images' NLL and on
+    telling Fashion-MNIST from digits (the README's table)."""
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["dataset"] == "digits" and report["shift"]["strengths"] == [5, 10, 20, 30]
+    nll_in = {name: row["nll"] for name, row in report["in_distribution"].items()}
+    assert min(nll_in, key=nll_in.get) == "map"
+    gaussian = [name for name in report["shifted"] if not name.startswith("map")]
+    shifted = report["shifted"]
+    auroc = {name: row["auroc"] for name, row in report["ood"].items()}
+    # more than one Gaussian method beats MAP on both, by a clear margin
+    better = [
+        n
+        for n in gaussian
+        if shifted[n]["nll"] < 0.9 * shifted["map"]["nll"] and auroc[n] > auroc["map"] + 0.03
+    ]
+    assert len(better) >= 2, (shifted, auroc)
+    for name in gaussian:  # the accuracy is the MAP network's: the Gaussians change confidence
+        assert report["in_distribution"][name]["acc"] == pytest.approx(
+            report["in_distribution"]["map"]["acc"], abs=0.02
+        )
 
 
 def test_demo_rejects_a_regression_dataset(tmp_path: Path) -> None:

@@ -4,21 +4,28 @@ Every argument is checked before any data set is read or any network trained (nu
 parsing, the demo's data set and output folder right after; see :mod:`gaussify.cli_args`). An
 error is one line, ``gaussify: error: ...``, with exit status 2; ``--debug`` shows the
 traceback instead. ``gaussify demo`` refuses an ``--out`` folder that already holds its
-``report.json`` or ``reliability.png`` unless ``--force``: the first run in a fresh folder (the
+``report.json`` or one of its figures unless ``--force``: the first run in a fresh folder (the
 README's command) just works, a second run says what is there and how to replace it.
+
+``gaussify demo`` trains a MAP network, turns it into Gaussians (Kronecker Laplace over all
+weights, full Laplace over the last layer, a post-hoc VBLL head, ELLA) and scores each on the
+test set, on shifted test sets and on an out-of-distribution set (:mod:`gaussify.demo`), so
+that the table shows where each method helps and where it costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gaussify import data as gdata
 from gaussify import metrics
@@ -32,6 +39,7 @@ from gaussify.cli_args import (
     prepare_output_dir,
     run_reporting_errors,
 )
+from gaussify.demo import METRICS, evaluate, evaluation_sets
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
 
@@ -44,7 +52,7 @@ DEMO_LAPLACE = (
     ("laplace-ll-full", "full", "last_layer"),
 )
 #: the files ``gaussify demo`` writes into ``--out``
-DEMO_OUTPUTS = ("report.json", "reliability.png")
+DEMO_OUTPUTS = ("report.json", "reliability.png", "shift.png", "ood.png")
 
 
 def _datasets(_: argparse.Namespace) -> int:
@@ -106,12 +114,15 @@ def _demo_choices() -> str:
 
 def _demo(args: argparse.Namespace) -> int:
     out = _check_demo(args)
-    from gaussify.plots import plot_reliability  # after the checks: matplotlib is slow to load
+    # after the checks (matplotlib is slow to load) and before any work (a missing extra is
+    # refused in one line naming the pip command)
+    from gaussify.plots import plot_ood_histograms, plot_reliability, plot_shift
 
     replaced = [name for name in DEMO_OUTPUTS if (out / name).exists()]
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     ds = gdata.load(args.dataset, seed=args.seed)
+    sets = evaluation_sets(ds, seed=args.seed)
     d_in = int(torch.tensor(ds.x_train.shape[1:]).prod())
     model = _mlp(d_in, ds.num_classes, args.width)
     print(
@@ -129,42 +140,59 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=args.progress,
     )
-    results: dict[str, dict[str, float]] = {}
-    diagrams = {}
+    # every method predicts on the test set, each shifted copy and the OOD set at once
+    inputs = [ds.x_test, *sets.shifted, sets.ood]
+    sizes = [x.shape[0] for x in inputs]
+    x_all = torch.cat(inputs)
+    probs: dict[str, Tensor] = {}
     with torch.no_grad():
-        probs = torch.softmax(model(ds.x_test), dim=-1)
-    results["map"] = metrics.classification_metrics(probs, ds.y_test)
-    diagrams["MAP"] = metrics.reliability_diagram(probs, ds.y_test)
+        probs["map"] = torch.softmax(model(x_all), dim=-1)
     train = (ds.x_train, ds.y_train)
     hyper: dict[str, dict[str, float]] = {}
     for name, structure, subset in DEMO_LAPLACE:
         la = Laplace(model, "classification", structure, subset, args.prior_precision)
         la.fit(train, progress=args.progress).optimize_prior()
-        pred = la.predict(ds.x_test, method="glm", link="probit")
+        pred = la.predict(x_all, method="glm", link="probit")
         assert pred.probs is not None
-        results[name] = metrics.classification_metrics(pred.probs, ds.y_test)
-        diagrams[name] = metrics.reliability_diagram(pred.probs, ds.y_test)
+        probs[name] = pred.probs
         hyper[name] = {
             "prior_precision": float(la.prior_precision),
             "log_marginal_likelihood": float(la.log_marginal_likelihood()),
         }
+    # the demo helpers predict on ``x_test``: hand them every evaluation input as the test set
+    ds_all = dataclasses.replace(ds, x_test=x_all, y_test=torch.zeros(len(x_all), dtype=torch.long))
 
     from gaussify.experiments.vbll_classification import demo_vbll
 
     body = model[:-1]  # the MAP network without its output layer: the features of a VBLL head
-    name, vbll_probs = demo_vbll(ds, body, mode="posthoc", seed=args.seed, progress=args.progress)
-    results[name] = metrics.classification_metrics(vbll_probs, ds.y_test)
-    diagrams[name] = metrics.reliability_diagram(vbll_probs, ds.y_test)
+    name, probs[name] = demo_vbll(
+        ds_all, body, mode="posthoc", seed=args.seed, progress=args.progress
+    )
 
     from gaussify.experiments.function_space_images import demo_function_space
 
-    fs_probs, _ = demo_function_space(ds, model, seed=args.seed)
-    results["ella"] = metrics.classification_metrics(fs_probs, ds.y_test)
-    diagrams["ella"] = metrics.reliability_diagram(fs_probs, ds.y_test)
+    probs["ella"], _ = demo_function_space(ds_all, model, seed=args.seed)
 
-    figure = plot_reliability(
-        diagrams, out / "reliability.png", title=f"{ds.name}: reliability (test)"
-    )
+    results, diagrams, entropies = {}, {}, {}
+    for name, p in probs.items():
+        test, *shifted, ood = torch.split(p, sizes)
+        results[name] = evaluate(test, shifted, ood, ds.y_test)
+        diagrams[name] = metrics.reliability_diagram(test, ds.y_test)
+        entropies[name] = (metrics.predictive_entropy(test), metrics.predictive_entropy(ood))
+    title = f"{ds.name} ({ds.x_test.shape[0]} test inputs)"
+    figures = [
+        plot_reliability(diagrams, out / "reliability.png", title=f"{title}: reliability"),
+        plot_shift(
+            {n: [r["in_distribution"], *r["by_strength"]] for n, r in results.items()},
+            [0.0, *sets.strengths],
+            out / "shift.png",
+            xlabel=f"{sets.shift} ({sets.strength_name})",
+            title=ds.name,
+        ),
+        plot_ood_histograms(
+            entropies, out / "ood.png", title=f"{ds.name} test vs OOD: {sets.ood_name}"
+        ),
+    ]
     report = {
         "dataset": ds.name,
         "n_train": int(ds.x_train.shape[0]),
@@ -174,18 +202,48 @@ def _demo(args: argparse.Namespace) -> int:
         "epochs": args.epochs,
         "seed": args.seed,
         "final_train_loss": history.loss[-1],
-        "test": results,
+        "in_distribution": {n: r["in_distribution"] for n, r in results.items()},
+        "shifted": {n: r["shifted"] for n, r in results.items()},
+        "ood": {n: r["ood"] for n, r in results.items()},
+        "shift": {
+            "description": sets.shift,
+            "strength": sets.strength_name,
+            "strengths": list(sets.strengths),
+            "by_strength": {n: r["by_strength"] for n, r in results.items()},
+        },
+        "ood_set": {"description": sets.ood_name, "n": int(sets.ood.shape[0])},
         "laplace": hyper,
-        "figure": str(figure),
+        "figures": [str(f) for f in figures],
         "seconds": round(time.perf_counter() - start, 2),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(f"\n{'method':<16}" + "".join(f"{k:>9}" for k in ("acc", "nll", "ece", "brier")))
-    for name, m in results.items():
-        print(f"{name:<16}" + "".join(f"{m[k]:>9.4f}" for k in ("acc", "nll", "ece", "brier")))
+    print()
+    print(_demo_table(report))
     note = f" (replaced the earlier {' and '.join(replaced)})" if replaced else ""
-    print(f"\nwrote {out / 'report.json'} and {figure} in {report['seconds']} s{note}")
+    written = ", ".join(str(out / name) for name in DEMO_OUTPUTS)
+    print(f"\nwrote {written} in {report['seconds']} s{note}")
     return 0
+
+
+def _demo_table(report: dict[str, Any]) -> str:
+    """The printed table: one block per section, each headed by one line saying what it shows."""
+    strengths = ", ".join(f"{s:g}" for s in report["shift"]["strengths"])
+    heads = {
+        "in_distribution": f"in-distribution: the {report['n_test']} {report['dataset']} test "
+        "inputs (acc higher is better; NLL, ECE, Brier lower)",
+        "shifted": f"shifted: {report['shift']['description']} by {strengths} "
+        f"{report['shift']['strength']}, pooled (does confidence fall with accuracy?)",
+        "ood": f"out-of-distribution: {report['ood_set']['description']}; AUROC of telling them "
+        "from the test inputs by predictive entropy (1 perfect, 0.5 chance)",
+    }
+    lines = []
+    for section, head in heads.items():
+        keys = ("auroc",) if section == "ood" else METRICS
+        lines += [head, f"  {'method':<18}" + "".join(f"{k:>9}" for k in keys)]
+        for name, row in report[section].items():
+            lines.append(f"  {name:<18}" + "".join(f"{row[k]:>9.4f}" for k in keys))
+        lines.append("")
+    return "\n".join(lines[:-1])
 
 
 def _experiment(args: argparse.Namespace) -> int:
@@ -217,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     p_demo = sub.add_parser(
         "demo",
         parents=[common],
-        help="MAP, Laplace, ELLA and VBLL on a bundled dataset: metrics, figure, JSON",
+        help="MAP, Laplace, VBLL and ELLA on a bundled dataset: in-distribution, shifted and "
+        "out-of-distribution metrics, figures, JSON",
     )
     p_demo.add_argument("--dataset", default=DEMO_DATASET, help="a classification dataset name")
     p_demo.add_argument("--epochs", type=positive_int, default=60)
@@ -227,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--seed", type=nonnegative_int, default=0)
     p_demo.add_argument("--out", default="gaussify-demo", help="folder for report and figure")
     p_demo.add_argument(
-        "--force", action="store_true", help="replace report.json and reliability.png in --out"
+        "--force", action="store_true", help="replace the report and figures in --out"
     )
     add_progress_argument(p_demo)
     p_demo.set_defaults(func=_demo)

@@ -23,7 +23,16 @@ from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.subset import select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.training import GaussianLogPrior
-from gaussify.tuning import OPTIMIZERS, Optimizer, check_choice, check_count, check_positive
+from gaussify.tuning import (
+    OPTIMIZERS,
+    Optimizer,
+    check_choice,
+    check_positive,
+)
+from gaussify.validation import (
+    check_count,
+    check_data,
+)
 from gaussify.weight_space.laplace import Laplace, Structure
 
 __all__ = ["MarglikHistory", "marglik_training"]
@@ -74,12 +83,10 @@ def marglik_training(
     Returns the model restored to the epoch with the best log evidence, the Laplace posterior
     fitted there with the learned hyperparameters, and the history.
     """
-    for name, count in (
-        ("epochs", epochs),
-        ("marglik_frequency", marglik_frequency),
-        ("n_hypersteps", n_hypersteps),
-    ):
-        check_count(count, name)
+    epochs = check_count(epochs, "epochs")
+    marglik_frequency = check_count(marglik_frequency, "marglik_frequency")
+    n_hypersteps = check_count(n_hypersteps, "n_hypersteps")
+    batch_size = check_count(batch_size, "batch_size")
     check_positive(lr_hyp, "lr_hyp")
     check_choice(hyper_optimizer, "hyper_optimizer", OPTIMIZERS)
     if burnin < 0 or burnin >= epochs:
@@ -92,6 +99,7 @@ def marglik_training(
     if seed is not None:
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(seed)
+    data = check_data(data, model=model, task=lik.task, owner="marglik_training", multi_pass=True)
     batches = as_batches(data, batch_size=batch_size, shuffle=True, generator=generator)
     fit_batches = as_batches(data, batch_size=max(batch_size, 256))
     n_data = num_examples(batches)

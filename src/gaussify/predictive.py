@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gaussify.validation import check_count
+
 __all__ = [
     "LINKS",
     "LinkName",
@@ -61,8 +63,7 @@ def gaussian_samples(
     mean: Tensor, cov: Tensor, num_samples: int, generator: torch.Generator | None = None
 ) -> Tensor:
     """Draw ``(S, N, C)`` samples from ``N(mean (N, C), cov (N, C, C))`` independently per n."""
-    if num_samples <= 0:
-        raise ValueError(f"num_samples: must be a positive integer, got {num_samples}")
+    num_samples = check_count(num_samples, "num_samples")
     chol = _stable_cholesky(cov)
     eps = torch.randn(
         (num_samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device

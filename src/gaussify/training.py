@@ -18,10 +18,11 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from gaussify.batches import Batches, as_batches, num_examples
+from gaussify.batches import Batches, num_examples
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.model_checks import warn_if_squashed_output
+from gaussify.validation import check_count, validated_batches
 
 __all__ = ["GaussianLogPrior", "TrainHistory", "log_prior", "train_map"]
 
@@ -94,8 +95,8 @@ def train_map(
     ``batch_size`` drawn with a generator seeded by ``seed``). Deterministic given ``seed``.
     Raises ``FloatingPointError`` when the loss becomes NaN or infinite.
     """
-    if epochs <= 0:
-        raise ValueError(f"epochs: must be a positive integer, got {epochs}")
+    epochs = check_count(epochs, "epochs")
+    batch_size = check_count(batch_size, "batch_size")
     if lr <= 0:
         raise ValueError(f"lr: must be > 0, got {lr}")
     if optimizer not in ("adam", "sgd"):
@@ -109,7 +110,16 @@ def train_map(
     if seed is not None:
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(seed)
-    batches = as_batches(data, batch_size=batch_size, shuffle=True, generator=generator)
+    batches = validated_batches(
+        data,
+        batch_size,
+        shuffle=True,
+        generator=generator,
+        model=model,
+        task=lik.task,
+        owner="train_map",
+        multi_pass=True,
+    )
     n_data = num_examples(batches)
     params = [p for p in model.parameters() if p.requires_grad]
     opt: torch.optim.Optimizer = (

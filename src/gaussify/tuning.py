@@ -42,8 +42,8 @@ hyperparameter within 0.1%). A run that ends by its step budget, a stalled line 
 the optimum, or a hyperparameter at its box (the evidence still increasing) is not converged:
 the result says so (``converged=False``, ``message``) and a
 :class:`gaussify.warnings.ConvergenceWarning` is emitted. The argument checks
-(:func:`check_count`, :func:`check_positive`, :func:`check_grid`) raise ``ValueError`` naming
-the argument.
+(:func:`gaussify.validation.check_count`, :func:`check_positive`, :func:`check_grid`) raise
+``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ import torch
 from scipy import optimize as scipy_optimize
 from torch import Tensor
 
+from gaussify.validation import check_count
 from gaussify.warnings import ConvergenceWarning
 
 __all__ = [
@@ -127,13 +128,6 @@ class TuningResult:
 
 
 # ------------------------------------------------------------------ argument checks
-def check_count(value: object, name: str) -> int:
-    """``value`` as a positive int (a bool, float or non-positive value raises ValueError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return int(value)
-
-
 def check_positive(value: object, name: str) -> float:
     """``value`` as a finite float > 0 (a bool, nan, inf or value <= 0 raises ValueError)."""
     if isinstance(value, Tensor) and value.numel() == 1:

@@ -54,7 +54,8 @@ from gaussify.approx_likelihoods.pseudo_targets import (
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import Predictive, laplace_bridge, probit
 from gaussify.state import transactional
-from gaussify.tuning import BOUND_DECADES, check_count, maximize
+from gaussify.tuning import BOUND_DECADES, maximize
+from gaussify.validation import check_count, check_finite
 from gaussify.warnings import ConvergenceWarning
 
 __all__ = [
@@ -243,12 +244,13 @@ class GPFitResult:
 def _check_x(x: object, name: str = "x", dim: int | None = None) -> Tensor:
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor (N, D)")
-    if x.ndim != 2 or x.shape[0] == 0:
+    if x.ndim != 2:
         raise ValueError(f"{name}: expected shape (N, D) with N >= 1, got {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{name}: contains no examples")
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"{name}: expected {dim} features (as in training), got {x.shape[1]}")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name}: contains NaN or inf")
+    check_finite(x, name)  # names the first bad row and NaN / inf
     return x
 
 
@@ -543,8 +545,7 @@ class GPClassifier:
         computed ``chunk_size`` test points at a time."""
         x_train = self._require(self._x, "predict")
         x = _check_x(x, dim=x_train.shape[1]).to(self.dtype)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size: must be a positive integer, got {chunk_size!r}")
+        chunk_size = check_count(chunk_size, "chunk_size")
         assert self._chol is not None and self._weights is not None and self.mean is not None
         ls, var = self.lengthscale, self.variance
         outputs = self._chol.shape[0]
@@ -585,8 +586,7 @@ class GPClassifier:
         """
         if link not in GP_LINKS:
             raise ValueError(f"link: expected one of {list(GP_LINKS)}, got {link!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: must be a positive integer, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         if link == "bridge" and self.basis == "logit":
             raise ValueError("link: 'bridge' approximates softmax outputs; use 'probit' or 'mc'")
         mu, var = self.predict_latent(x, chunk_size)

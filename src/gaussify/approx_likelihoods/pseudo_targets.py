@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from gaussify.approx_likelihoods.closed_forms import APPROXIMATIONS
+from gaussify.validation import check_finite
 
 __all__ = [
     "METHODS",
@@ -83,6 +84,8 @@ def check_labels(y: Tensor, num_classes: int, name: str = "y") -> Tensor:
     """Integer labels in ``[0, num_classes)`` of any shape, returned as int64."""
     if not isinstance(y, Tensor):
         raise TypeError(f"{name}: expected an integer tensor of labels, got {type(y).__name__}")
+    if y.is_floating_point() and y.ndim > 0:
+        check_finite(y, name)  # a NaN / inf label is named as such, with its row
     if y.is_floating_point() or y.is_complex():
         raise TypeError(f"{name}: expected integer class labels, got dtype {y.dtype}")
     y = y.long()

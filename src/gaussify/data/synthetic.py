@@ -49,8 +49,9 @@ def waveform(seed: int = 0, n: int = 5000) -> RawData:
 def two_moons(seed: int = 0, n: int = 1000, noise: float = 0.2) -> RawData:
     """Two interleaving half circles (``sklearn.datasets.make_moons``) with Gaussian noise of
     standard deviation ``noise``. x (n, 2) float32, y (n,) int64 in {0, 1}."""
-    from sklearn.datasets import make_moons
+    from gaussify.extras import require
 
+    make_moons = require("sklearn.datasets", "the two_moons data set").make_moons
     x, y = make_moons(n_samples=n, noise=noise, random_state=seed)
     return RawData(x.astype(np.float32), y.astype(np.int64), ("upper", "lower"))
 

@@ -50,8 +50,14 @@ def check_outputs(
 ) -> None:
     """Check ``args.output`` and ``args.figure`` (those the parser has) before any work:
     refuse a path that cannot be written, create its folder, note a file that will be
-    replaced. ``folders`` maps an option that names a folder to the files written into it."""
+    replaced. ``folders`` maps an option that names a folder to the files written into it.
+    ``--figure`` also needs matplotlib (the ``plots`` extra): refused in one line naming the
+    pip command when it is missing."""
     folders = folders or {}
+    if getattr(args, "figure", None) is not None:
+        from gaussify.extras import require
+
+        require("matplotlib", "--figure")
     for option in ("output", "figure"):
         value = getattr(args, option, None)
         if value is None:

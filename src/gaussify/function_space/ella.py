@@ -72,6 +72,7 @@ from gaussify.tuning import (
     residual_rms,
     tune_hyperparameters,
 )
+from gaussify.validation import check_count, check_inputs, validated_batches
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
 
@@ -121,8 +122,9 @@ def select_landmarks(
             rows.append(x[hit])
             offset += x.shape[0]
         return torch.cat(rows)
-    from sklearn.cluster import KMeans
+    from gaussify.extras import require
 
+    KMeans = require("sklearn.cluster", 'ELLA landmarks="kmeans"').KMeans
     x_all = torch.cat([x for x, _ in batches])
     flat = x_all.reshape(n, -1).double()
     centres = KMeans(n_clusters=num_landmarks, n_init=1, random_state=seed).fit(flat.numpy())
@@ -161,10 +163,9 @@ class ELLA:
         chunk_size: int | None = None,
         route: Route = "auto",
     ) -> None:
-        if isinstance(num_landmarks, bool) or not isinstance(num_landmarks, int):
-            raise ValueError(f"num_landmarks: expected a positive integer, got {num_landmarks!r}")
-        if num_landmarks < 1:
-            raise ValueError(f"num_landmarks: expected a positive integer, got {num_landmarks}")
+        num_landmarks = check_count(num_landmarks, "num_landmarks")
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size")
         if not isinstance(landmarks, Tensor) and landmarks not in _METHODS:
             raise ValueError(
                 f"landmarks: expected one of {_METHODS} or a tensor of inputs, got {landmarks!r}"
@@ -214,6 +215,7 @@ class ELLA:
         """The Nystrom feature map phi(x) (N, R, C) at the fitted prior precision, with
         phi(x)^T phi(x') ~= k(x, x')."""
         self._require_fit()
+        check_inputs(x, self.model)
         return self._features(x)
 
     @property
@@ -229,12 +231,18 @@ class ELLA:
     def fit(self, data: Batches, *, batch_size: int = 256) -> ELLA:
         """Choose the landmarks, build the feature map, and accumulate the R x R posterior
         statistics in one pass over ``data`` at the current weights theta*."""
+        batches = validated_batches(
+            data,
+            batch_size,
+            model=self.model,
+            task=self.task,
+            owner="ELLA.fit",
+            multi_pass=not isinstance(self.landmarks, Tensor),
+        )
         self.model.eval()
-        batches = as_batches(data, batch_size=batch_size)
         if isinstance(self.landmarks, Tensor):
             z = self.landmarks
-            if z.ndim == 0 or z.shape[0] == 0:
-                raise ValueError("landmarks: expected a non-empty tensor of inputs (M, ...)")
+            check_inputs(z, self.model, "landmarks")  # non-empty, finite, the model's width
         else:
             z = select_landmarks(batches, self.num_landmarks, self.landmarks, self.seed, batch_size)
         self._z = z = distributed.broadcast(z)  # rank 0's landmarks under torch.distributed
@@ -445,6 +453,7 @@ class ELLA:
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, c phi*^T A^-1 phi* (N, C, C)."""
         self._require_fit()
+        check_inputs(x, self.model)
         chol, c = self._posterior_chol()
         m, r = self._z.shape[0], self.num_features
         per_input = max(1, m * r)
@@ -472,6 +481,8 @@ class ELLA:
         """Predictive N(f(x; theta*), c phi(x)^T A^-1 phi(x)) through the shared
         :class:`~gaussify.predictive.Predictive`; cost independent of the training set size."""
         self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
         if method != "glm":
             raise ValueError(
                 f"method: ELLA predicts with the linearised model 'glm', got {method!r}"

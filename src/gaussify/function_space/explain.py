@@ -32,6 +32,7 @@ from gaussify.curvature.jacobian import SubsetLike, jvp, model_outputs, resolve_
 from gaussify.function_space.ntk import Route, ntk, ntk_diag
 from gaussify.likelihoods import Likelihood, get_likelihood
 from gaussify.model_checks import in_eval_mode
+from gaussify.validation import check_count, check_inputs, check_targets, output_width
 
 __all__ = ["Explanation", "dual_coefficients", "explain", "kernel_similarity"]
 
@@ -143,8 +144,11 @@ def explain(
     to every output, kernel similarities, and the ``top_k`` supporting and opposing training
     points per output. ``train_x``/``train_y`` should be the training set the MAP was fitted
     on (the identity needs all of it)."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k: expected a positive integer, got {top_k!r}")
+    top_k = check_count(top_k, "top_k")
+    lik = get_likelihood(likelihood, sigma_noise=sigma_noise)
+    check_inputs(x_star, model, "x_star")
+    check_inputs(train_x, model, "train_x")
+    check_targets(train_y, lik.task, output_width(model), "train_y")
     if train_x.shape[0] != train_y.shape[0]:
         raise ValueError(f"train_y: has {train_y.shape[0]} rows but train_x has {train_x.shape[0]}")
     if x_star.shape[1:] != train_x.shape[1:]:
@@ -154,7 +158,6 @@ def explain(
         )
     model.eval()
     sub = resolve_subset(model, subset)
-    lik = get_likelihood(likelihood, sigma_noise=sigma_noise)
     alpha = dual_coefficients(model, train_x, train_y, lik)
     with torch.no_grad():
         kernel = ntk(model, x_star, train_x, sub, prior_precision, chunk_size, route=route)

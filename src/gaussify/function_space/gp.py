@@ -74,6 +74,7 @@ from gaussify.tuning import (
     prior_from_weights,
     tune_hyperparameters,
 )
+from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
     "FunctionalLaplace",
@@ -241,14 +242,10 @@ class FunctionalLaplace:
         max_kernel_size: int = 10_000,
         route: Route = "auto",
     ) -> None:
-        if num_data_subset is not None and (
-            isinstance(num_data_subset, bool)
-            or not isinstance(num_data_subset, int)
-            or num_data_subset < 1
-        ):
-            raise ValueError(
-                f"num_data_subset: expected a positive integer or None, got {num_data_subset!r}"
-            )
+        if num_data_subset is not None:
+            num_data_subset = check_count(num_data_subset, "num_data_subset")
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size")
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
@@ -281,6 +278,7 @@ class FunctionalLaplace:
         weights theta*: store the inputs, outputs f(X; theta*), the prior mean offset
         -J theta* and the training kernel (per group of parameter tensors, so the prior
         precision can be changed and tuned without recomputing Jacobians)."""
+        data = check_data(data, model=self.model, task=self.task, owner="FunctionalLaplace.fit")
         self.model.eval()
         x, y = _collect(data, batch_size)
         if self.num_data_subset is not None and x.shape[0] > self.num_data_subset:
@@ -510,6 +508,7 @@ class FunctionalLaplace:
     def functional_covariance(self, x: Tensor) -> Tensor:
         """Posterior covariance of the outputs at each input, (N, C, C) (eq. 3.13)."""
         self._require_fit()
+        check_inputs(x, self.model)
         chol = self.posterior_factor
         lam_sqrt = self._likelihood_at(self.sigma_noise).hessian_sqrt(self._f)
         n, c = self._f.shape
@@ -553,6 +552,8 @@ class FunctionalLaplace:
         "mc" for classification; the noise is added for regression). Function space has only
         the GLM predictive, so ``method`` must be "glm"."""
         self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
         if method != "glm":
             raise ValueError(
                 f"method: function-space posteriors predict with 'glm', got {method!r}"

@@ -49,6 +49,7 @@ from gaussify.curvature.jacobian import (
     resolve_subset,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
+from gaussify.validation import check_count, check_inputs
 
 __all__ = ["Route", "ntk", "ntk_components", "ntk_diag", "per_layer_modules", "prior_scales"]
 
@@ -127,6 +128,8 @@ class _KernelPlan:
         chunk_size: int | None,
     ) -> None:
         _check_route(route)
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size")
         check_eval_mode(model)
         dtype = dict(model.named_parameters())[subset.names[0]].dtype
         # a float32 model gets a float32 kernel even though Python-number priors arrive in
@@ -267,15 +270,10 @@ def _device(f: _Factors) -> torch.device:
 
 
 # ---------------------------------------------------------------------- public functions
-def _check_inputs(x: Tensor, what: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(
-            f"{what}: expected a torch.Tensor of shape (N, ...), got {type(x).__name__}"
-        )
-    if x.ndim == 0 or x.shape[0] == 0:
-        raise ValueError(
-            f"{what}: expected a non-empty batch of shape (N, ...), got {tuple(x.shape)}"
-        )
+def _check_inputs(x: Tensor, what: str, model: nn.Module | None = None) -> None:
+    """The shared boundary checks (:func:`gaussify.validation.check_inputs`): a non-empty,
+    finite tensor of the model's dtype and first-layer width."""
+    check_inputs(x, model, what)
 
 
 def _groups_index(
@@ -309,9 +307,9 @@ def _kernel(
 ) -> Tensor:
     """(G, N1, C, N2, C) kernels, blocked over rows of x1 and x2."""
     subset = resolve_subset(model, subset)
-    _check_inputs(x1, "x1")
+    _check_inputs(x1, "x1", model)
     if x2 is not None:
-        _check_inputs(x2, "x2")
+        _check_inputs(x2, "x2", model)
         if x2.shape[1:] != x1.shape[1:]:
             raise ValueError(
                 f"x2: inputs must have the same per-sample shape as x1 {tuple(x1.shape[1:])}, "
@@ -421,7 +419,7 @@ def ntk_diag(
     """The per-sample kernel blocks k(x_n, x_n) = J(x_n) S0 J(x_n)^T, shape (N, C, C): the
     prior function covariance at each input (thesis eq. 3.4), in blocks of rows."""
     subset = resolve_subset(model, subset)
-    _check_inputs(x, "x")
+    _check_inputs(x, "x", model)
     plan = _KernelPlan(model, subset, prior_scales(prior_precision, subset), route, chunk_size)
     index, _ = _groups_index(subset, None)
     c = plan.outputs_of(x)

@@ -62,6 +62,7 @@ from gaussify.state import (
     transactional,
     validate_state,
 )
+from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
     "SampledLLA",
@@ -232,22 +233,19 @@ class SampledLLA:
         jacobian_budget: int = 2**22,
         seed: int = 0,
     ) -> None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: must be a positive integer, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         _check_choice("solver", solver, ("sgd", "cg", "solve"))
         _check_choice("optimizer", optimizer, ("sgd", "adam"))
         _check_choice("schedule", schedule, ("cosine", "constant"))
         _check_choice("route", route, ("auto", "jacobian", "jvp"))
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ValueError(f"epochs: must be a non-negative integer, got {epochs!r}")
+        epochs = check_count(epochs, "epochs", minimum=0)
         if lr is not None and not lr > 0:
             raise ValueError(f"lr: must be > 0 or None (automatic), got {lr}")
         if optimizer == "adam" and lr is None:
             raise ValueError("lr: optimizer='adam' needs a learning rate")
         if momentum is not None and not 0 <= momentum < 1:
             raise ValueError(f"momentum: must be in [0, 1) or None (automatic), got {momentum}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: must be a positive integer, got {batch_size!r}")
+        batch_size = check_count(batch_size, "batch_size")
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
@@ -327,6 +325,13 @@ class SampledLLA:
         then z (S, B, C) for each batch of ``data`` in iteration order (tuple data: unshuffled
         batches of ``batch_size``). The model is put in eval mode.
         """
+        data = check_data(
+            data,
+            model=self.model,
+            task=self.task,
+            owner="SampledLLA.fit",
+            multi_pass=self.solver != "solve",
+        )
         self.model.eval()
         check_eval_mode(self.model)
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
@@ -493,7 +498,7 @@ class SampledLLA:
     def sample(self, num_samples: int | None = None) -> Tensor:
         """Weight samples theta* + delta_s, (S, P) (the first ``num_samples`` of the S)."""
         samples = self._require_fit()
-        n = samples.shape[0] if num_samples is None else num_samples
+        n = samples.shape[0] if num_samples is None else check_count(num_samples, "num_samples")
         if n < 1 or n > samples.shape[0]:
             raise ValueError(
                 f"num_samples: must be in [1, {samples.shape[0]}] (the fitted samples), got {n}"
@@ -506,6 +511,8 @@ class SampledLLA:
         d0), (S,): 1/2 d^T A d - d^T c. Its excess over the exact minimiser's value is the
         optimisation error 1/2 (d - d_opt)^T A (d - d_opt)."""
         samples = self._require_fit()
+        data = check_data(data, model=self.model, task=self.task, owner="SampledLLA.objective")
+        self._prepare_cache(data)  # the Jacobians of these data, not those of the fit
         return 0.5 * (samples * self._full_product(data, samples, self._prior_vec())).sum(-1) - (
             samples * self.linear_term
         ).sum(-1)
@@ -515,6 +522,8 @@ class SampledLLA:
     def predict_samples(self, x: Tensor, *, chunk_size: int = 256) -> Tensor:
         """Linearised function samples f(x; theta*) + J(x) delta_s, (S, N, C)."""
         samples = self._require_fit()
+        check_inputs(x, self.model)
+        chunk_size = check_count(chunk_size, "chunk_size")
         out = []
         for sl in chunk_slices(x.shape[0], chunk_size):
             f = model_outputs(self.model, x[sl])
@@ -545,6 +554,9 @@ class SampledLLA:
         N(f(x; theta*), (1/S) sum_s J delta_s (J delta_s)^T, the sample covariance around the
         known mean 0) through that link (``num_samples`` / ``generator`` go to it).
         """
+        self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
         noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
         f_samples = self.predict_samples(x, chunk_size=chunk_size)
         if link == "mc":

@@ -69,6 +69,7 @@ from gaussify.state import (
     transactional,
     validate_state,
 )
+from gaussify.validation import check_count, check_data, check_inputs, check_targets
 
 __all__ = [
     "VaLLA",
@@ -225,10 +226,8 @@ class VaLLA:
     ) -> None:
         if num_inducing is None and inducing_points is None:
             raise ValueError("num_inducing: give the number of inducing points or inducing_points")
-        if num_inducing is not None and (
-            isinstance(num_inducing, bool) or not isinstance(num_inducing, int) or num_inducing < 1
-        ):
-            raise ValueError(f"num_inducing: must be a positive integer, got {num_inducing!r}")
+        if num_inducing is not None:
+            num_inducing = check_count(num_inducing, "num_inducing")
         if (
             num_inducing is not None
             and inducing_points is not None
@@ -245,13 +244,11 @@ class VaLLA:
                 "expectation: expected 'auto', 'closed_form', 'probit' or 'mc', "
                 f"got {expectation!r}"
             )
-        for name, value in (("epochs", epochs), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
-        if not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples: must be a positive integer, got {mc_samples!r}")
+        epochs = check_count(epochs, "epochs")
+        batch_size = check_count(batch_size, "batch_size")
+        if max_steps is not None:
+            max_steps = check_count(max_steps, "max_steps")
+        mc_samples = check_count(mc_samples, "mc_samples")
         if not lr > 0:
             raise ValueError(f"lr: must be > 0, got {lr}")
         if optimizer not in ("natural", "adam"):
@@ -442,6 +439,11 @@ class VaLLA:
         return torch.tril(raw, -1) + torch.diag_embed(raw.diagonal().exp())
 
     # ------------------------------------------------------------------ set-up
+    def _check_data(self, data: Batches, owner: str, multi_pass: bool = False) -> Batches:
+        return check_data(
+            data, model=self.model, task=self.task, owner=owner, multi_pass=multi_pass
+        )
+
     def _inputs_for_kmeans(self, data: Batches, gen: torch.Generator) -> Tensor:
         if isinstance(data, tuple):
             x = data[0]
@@ -458,8 +460,9 @@ class VaLLA:
 
     def _kmeans(self, x: Tensor, m: int) -> Tensor:
         """M K-means centres of the (flattened) inputs (scikit-learn, seeded), shaped like x."""
-        from sklearn.cluster import KMeans
+        from gaussify.extras import require
 
+        KMeans = require("sklearn.cluster", "VaLLA's K-means inducing points").KMeans
         flat = x.detach().reshape(x.shape[0], -1).cpu().double().numpy()
         km = KMeans(n_clusters=m, n_init=1, random_state=self.seed).fit(flat)
         centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)
@@ -470,6 +473,7 @@ class VaLLA:
     def initialize(self, data: Batches) -> VaLLA:
         """Set theta*, N, the inducing inputs (K-means, or the given ones), the cached
         Jacobians at Z and q(u) = prior (S_v = I). Called by :meth:`fit`."""
+        data = self._check_data(data, "VaLLA.initialize", multi_pass=True)
         self.model.eval()
         check_eval_mode(self.model)
         gen = torch.Generator().manual_seed(self.seed)
@@ -584,6 +588,7 @@ class VaLLA:
         """The full-data objective sum_n (1/alpha) log E_q[p(y_n|f_n)^alpha] - KL (eq. 20;
         with alpha = 0 the ELBO, eq. 14). No gradients."""
         self._require_init()
+        data = self._check_data(data, "VaLLA.objective")
         total = torch.zeros((), dtype=self.theta_star.dtype)
         with torch.no_grad():
             for x, y in as_batches(data, batch_size=batch_size):
@@ -610,6 +615,8 @@ class VaLLA:
         (:meth:`set_optimal_covariance`). ``optimizer="adam"``: Adam on the Cholesky factor.
         """
         self._require_init()
+        check_inputs(x, self.model)
+        check_targets(y, self.task, self.num_outputs, name="y", num_rows=x.shape[0])
         decay = self._decay()
         if self._optimizer is not None:
             for group in self._optimizer.param_groups:
@@ -660,6 +667,7 @@ class VaLLA:
         likelihoods it is the sparse Laplace-GGN covariance, a good starting point. One pass
         over the data, O(N M^2 C^2)."""
         self._require_init()
+        data = self._check_data(data, "VaLLA.set_optimal_covariance")
         with torch.no_grad():
             chol_k = self._cholesky(self._kzz())
             prec = torch.eye(chol_k.shape[0], dtype=chol_k.dtype)
@@ -686,6 +694,7 @@ class VaLLA:
 
     def validation_nll(self, data: Batches, *, batch_size: int = 256) -> float:
         """Mean negative predictive log-likelihood on ``data`` (the early-stopping score)."""
+        data = self._check_data(data, "VaLLA.validation_nll")
         total, count = 0.0, 0
         with torch.no_grad():
             for x, y in as_batches(data, batch_size=batch_size):
@@ -716,12 +725,17 @@ class VaLLA:
         """
         if patience is not None and val_data is None:
             raise ValueError("val_data: early stopping (patience) needs validation data")
-        if patience is not None and (not isinstance(patience, int) or patience < 1):
-            raise ValueError(f"patience: must be a positive integer or None, got {patience!r}")
+        if patience is not None:
+            patience = check_count(patience, "patience")
         if method not in ("sgd", "closed_form"):
             raise ValueError(f"method: expected 'sgd' or 'closed_form', got {method!r}")
         if init not in ("prior", "closed_form"):
             raise ValueError(f"init: expected 'prior' or 'closed_form', got {init!r}")
+        if eval_every is not None:
+            eval_every = check_count(eval_every, "eval_every")
+        train_data = self._check_data(train_data, "VaLLA.fit", multi_pass=True)
+        if val_data is not None:
+            val_data = self._check_data(val_data, "VaLLA.fit (val_data)", multi_pass=True)
         self.initialize(train_data)
         if method == "closed_form" or init == "closed_form":
             self.set_optimal_covariance(train_data, batch_size=self.batch_size)
@@ -793,6 +807,9 @@ class VaLLA:
         """Predictive at ``x (N, ...)``: N(f(x; theta*), Sigma(x, x)) (eq. 17) through the
         likelihood (regression adds the noise; classification uses ``link``)."""
         self._require_init()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
+        chunk_size = check_count(chunk_size, "chunk_size")
         with torch.no_grad():
             chol_k = self._cholesky(self._kzz())
             chol_v = self.chol_v
@@ -834,6 +851,7 @@ class VaLLA:
         conditioning: theta = theta* + e - P0^-1 J_Z^T K_ZZ^-1 (J_Z e - u), e ~ N(0, P0^-1),
         u ~ N(0, S_u); its covariance is P0^-1 - P0^-1 J_Z^T K^-1 (K - S_u) K^-1 J_Z P0^-1."""
         self._require_init()
+        num_samples = check_count(num_samples, "num_samples")
         with torch.no_grad():
             z = self.inducing_points.detach()
             prior = self._prior_vec()

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from gaussify import metrics
 from gaussify.approx_likelihoods.pseudo_targets import Basis, Method, check_labels
-from gaussify.last_layer.exact import ExactLastLayer
+from gaussify.last_layer.exact import ExactLastLayer, check_features
 from gaussify.predictive import LinkName, Predictive
+from gaussify.validation import check_count, check_inputs
 
 __all__ = ["ActiveLearner", "ActiveLearningResult", "active_learning", "predictive_entropy"]
 
@@ -61,8 +62,10 @@ class ActiveLearner:
     ) -> None:
         if acquisition not in ("entropy", "random"):
             raise ValueError(f"acquisition: expected 'entropy' or 'random', got {acquisition!r}")
+        check_features(phi_pool, layer.in_features, "phi_pool", allow_empty=False)
         if phi_pool.shape[0] != y_pool.shape[0]:
             raise ValueError(f"y_pool: expected {phi_pool.shape[0]} labels, got {y_pool.shape[0]}")
+        check_labels(y_pool, layer.num_classes, "y_pool")
         initial = torch.as_tensor(initial, dtype=torch.long).reshape(-1)
         if initial.numel() and (int(initial.min()) < 0 or int(initial.max()) >= len(y_pool)):
             raise ValueError(f"initial: indices must be in [0, {len(y_pool)})")
@@ -130,6 +133,10 @@ def active_learning(
     ``basis="logit"`` is Bayesian logistic regression (labels in {0, 1}); ``"log"`` a
     softmax last layer (classes ``0..max label``). Returns an :class:`ActiveLearningResult`.
     """
+    steps = check_count(steps, "steps", minimum=0)
+    num_initial = check_count(num_initial, "num_initial", minimum=0)
+    for name, phi in (("phi_pool", phi_pool), ("phi_test", phi_test)):
+        check_inputs(phi, name=name)
     generator = torch.Generator().manual_seed(seed)
     if basis == "logit":
         num_classes = 2

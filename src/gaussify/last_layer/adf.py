@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gaussify.approx_likelihoods.pseudo_targets import check_labels
-from gaussify.batches import Batches, as_batches
+from gaussify.batches import Batches
 from gaussify.last_layer.exact import augment, check_features
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
@@ -38,6 +38,7 @@ from gaussify.state import (
     transactional,
     validate_state,
 )
+from gaussify.validation import check_count, validated_batches
 
 __all__ = ["ADFLastLayer", "SGDLastLayer", "adf_moments"]
 
@@ -82,8 +83,7 @@ class ADFLastLayer:
             raise ValueError(f"min_ratio: must be in (0, 1), got {min_ratio}")
         if not prior_precision > 0:
             raise ValueError(f"prior_precision: must be positive, got {prior_precision}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples: must be a positive integer, got {num_samples}")
+        num_samples = check_count(num_samples, "num_samples")
         self.in_features, self.num_classes = in_features, num_classes
         self.prior_precision, self.bias = float(prior_precision), bias
         self.num_samples, self.damping, self.min_ratio = num_samples, damping, min_ratio
@@ -133,8 +133,11 @@ class ADFLastLayer:
     @transactional
     def fit(self, data: Batches, batch_size: int = 256) -> ADFLastLayer:
         """Reset and absorb ``data`` point by point, in order."""
+        batches = validated_batches(
+            data, batch_size, task=self.task, owner="ADFLastLayer.fit", input_name="phi"
+        )
         self.reset()
-        for phi, y in as_batches(data, batch_size=batch_size):
+        for phi, y in batches:
             self.update(phi, y)
         return self
 
@@ -147,7 +150,8 @@ class ADFLastLayer:
         generator: torch.Generator | None = None,
     ) -> Predictive:
         """Predictive at ``phi (N, D)`` from the current Gaussian (as for the exact layer)."""
-        x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
+        num_samples = check_count(num_samples, "num_samples")
+        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f_var = torch.einsum("nd,kde,ne->nk", x, self.covariance, x).clamp_min(0)
         pred = predictive_from_gaussian(
             x @ self.mean,
@@ -212,8 +216,7 @@ class SGDLastLayer:
     ) -> None:
         if lr <= 0:
             raise ValueError(f"lr: must be positive, got {lr}")
-        if steps < 1:
-            raise ValueError(f"steps: must be a positive integer, got {steps}")
+        steps = check_count(steps, "steps")
         self.in_features, self.num_classes, self.bias, self.dtype = (
             in_features,
             num_classes,
@@ -248,15 +251,18 @@ class SGDLastLayer:
     @transactional
     def fit(self, data: Batches, batch_size: int = 256) -> SGDLastLayer:
         """Reset and take the batches of ``data`` in order."""
+        batches = validated_batches(
+            data, batch_size, task=self.task, owner="SGDLastLayer.fit", input_name="phi"
+        )
         self.reset()
-        for phi, y in as_batches(data, batch_size=batch_size):
+        for phi, y in batches:
             self.update(phi, y)
         return self
 
     @torch.no_grad()
     def predict(self, phi: Tensor) -> Predictive:
         """Point-estimate predictive: ``softmax(f)`` with zero logit covariance."""
-        x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
+        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f = (x @ self.weight).to(phi.dtype)
         cov = torch.zeros(*f.shape, f.shape[-1], dtype=f.dtype)
         return Predictive(self.task, f, f_cov=cov, probs=torch.softmax(f, dim=-1))

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from gaussify.predictive import Predictive
 from gaussify.state import StateError, validate_module_state
+from gaussify.validation import check_count, check_finite
 
 __all__ = [
     "VBLLHead",
@@ -47,15 +48,15 @@ def check_positive(value: float, name: str) -> float:
 
 
 def _check_size(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
+    return check_count(value, name)
 
 
 def check_labels(y: Any, num: int, num_classes: int) -> Tensor:
     """Integer class labels ``y (num,)`` in ``[0, num_classes)``, else ``ValueError``."""
     if not isinstance(y, Tensor):
         raise TypeError(f"y: expected a torch.Tensor of labels, got {type(y).__name__}")
+    if y.is_floating_point() and y.ndim > 0:
+        check_finite(y, "y")  # a NaN / inf label is named as such, with its row
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(f"y: expected integer class labels, got dtype {y.dtype}")
     if y.shape != (num,):
@@ -78,8 +79,7 @@ def check_regression_targets(y: Any, num: int, out_features: int, like: Tensor) 
             f"y: expected shape ({num}, {out_features}) to match phi and out_features, "
             f"got {tuple(y.shape)}"
         )
-    if not torch.isfinite(y).all():
-        raise ValueError("y: contains NaN or inf")
+    check_finite(y, "y")
     return y.to(like)
 
 
@@ -145,6 +145,7 @@ class VBLLHead(nn.Module, ABC):
             )
         if not phi.is_floating_point():
             raise ValueError(f"phi: expected a floating point tensor, got {phi.dtype}")
+        check_finite(phi, "phi")  # one min/max reduction; the bad row only on failure
         return phi
 
     @abstractmethod

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from gaussify.last_layer.base import VBLLHead, VBLLOutput, check_positive
 from gaussify.last_layer.vbll import ClassificationHead, VBLLGenerative
 from gaussify.predictive import Predictive
+from gaussify.validation import check_count
 
 __all__ = [
     "VBLLBNN",
@@ -268,7 +269,6 @@ class VBLLBNN(nn.Module):
         self.feature_kl_weight = float(feature_kl_weight)
 
     def forward(self, x: Tensor, num_samples: int = 1) -> BNNOutput:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected a positive integer, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         outputs = [self.head(self.features(x)) for _ in range(num_samples)]
         return BNNOutput(outputs, mean_field_kl(self.features), self.feature_kl_weight)

@@ -41,7 +41,7 @@ from gaussify.approx_likelihoods import (
     tune_alpha_eps,
 )
 from gaussify.approx_likelihoods.pseudo_targets import METHODS, Basis, Method, check_labels
-from gaussify.batches import Batches, as_batches
+from gaussify.batches import Batches
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
@@ -55,20 +55,25 @@ from gaussify.state import (
     transactional,
     validate_state,
 )
+from gaussify.validation import check_finite, validated_batches
 
 __all__ = ["ExactLastLayer", "augment", "check_features"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
 
-def check_features(phi: Tensor, in_features: int, name: str = "phi") -> Tensor:
-    """Validate features ``(N, in_features)``: a finite floating tensor."""
+def check_features(
+    phi: Tensor, in_features: int, name: str = "phi", *, allow_empty: bool = True
+) -> Tensor:
+    """Validate features ``(N, in_features)``: a finite floating tensor (with at least one
+    row unless ``allow_empty``)."""
     if not isinstance(phi, Tensor) or not phi.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor of shape (N, {in_features})")
     if phi.ndim != 2 or phi.shape[1] != in_features:
         raise ValueError(f"{name}: expected shape (N, {in_features}), got {tuple(phi.shape)}")
-    if not bool(torch.isfinite(phi).all()):
-        raise ValueError(f"{name}: features contain NaN or inf")
+    if phi.shape[0] == 0 and not allow_empty:
+        raise ValueError(f"{name}: contains no examples")
+    check_finite(phi, name)  # names the first bad row and NaN / inf
     return phi
 
 
@@ -209,8 +214,10 @@ class ExactLastLayer:
     ) -> ExactLastLayer:
         """Reset to the prior and condition on ``data`` (``(phi, y)`` tensors or a DataLoader of
         ``(phi, y)`` batches), one batch at a time."""
+        batches = validated_batches(
+            data, batch_size, task=self.task, owner="ExactLastLayer.fit", input_name="phi"
+        )
         self.reset()
-        batches = as_batches(data, batch_size=batch_size)
         if progress:
             from tqdm.auto import tqdm
 
@@ -263,7 +270,7 @@ class ExactLastLayer:
 
     def logit_distribution(self, phi: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and variance ``(N, K)`` of the logits at features ``phi (N, D)``."""
-        x = augment(check_features(phi, self.in_features), self.bias, self.dtype)
+        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f_var = torch.einsum("nd,kde,ne->nk", x, self.covariance, x)
         return x @ self.mean, f_var.clamp_min(0)
 
@@ -315,7 +322,7 @@ class ExactLastLayer:
         ``alpha_eps`` (default: the current one). The data term is reparameterised Monte Carlo
         with ``base_samples (S, N, K)`` (drawn once from ``generator`` if not given).
         """
-        phi = check_features(phi, self.in_features)
+        phi = check_features(phi, self.in_features, allow_empty=False)
         x = augment(phi, self.bias, self.dtype)
         n, d, k = x.shape[0], self.num_features, self.num_outputs
         pl = self.pseudo_likelihood

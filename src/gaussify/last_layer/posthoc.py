@@ -22,6 +22,7 @@ from gaussify.last_layer.base import VBLLHead, check_labels, check_positive
 from gaussify.last_layer.bounds import gaussian_log_prob
 from gaussify.last_layer.covariance import Dense
 from gaussify.last_layer.vbll import VBLLGenerative
+from gaussify.validation import check_count, check_finite, validated_batches
 
 __all__ = ["GVBLLMAP", "class_covariance_map", "extract_features", "fit_posthoc"]
 
@@ -32,11 +33,12 @@ def extract_features(
 ) -> tuple[Tensor, Tensor]:
     """Features ``phi (N, D)`` and targets ``y`` of all of ``data`` under ``backbone`` in eval
     mode, without gradients (restores the module's train/eval mode afterwards)."""
+    batches = validated_batches(data, batch_size, model=backbone, owner="extract_features")
     was_training = backbone.training
     backbone.eval()
     try:
         phis, ys = [], []
-        for x, y in as_batches(data, batch_size=batch_size):
+        for x, y in batches:
             phis.append(backbone(x))
             ys.append(y)
     finally:
@@ -66,9 +68,12 @@ def fit_posthoc(
     """
     if optimizer not in ("lbfgs", "adam"):
         raise ValueError(f"optimizer: expected 'lbfgs' or 'adam', got {optimizer!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
+    max_iter = check_count(max_iter, "max_iter")
+    if batch_size is not None:
+        batch_size = check_count(batch_size, "batch_size")
     phi = head.check_features(phi.detach())
+    if phi.shape[0] == 0:
+        raise ValueError("phi: contains no examples")
     head.check_targets(y, phi.shape[0])
     if isinstance(head, VBLLGenerative):
         head.set_class_counts(y)
@@ -172,6 +177,9 @@ class GVBLLMAP(nn.Module):
             raise ValueError(
                 f"phi: expected features of shape (N, {self.in_features}), got {tuple(phi.shape)}"
             )
+        if phi.shape[0] == 0:
+            raise ValueError("phi: contains no examples")
+        check_finite(phi, "phi")
         means, covs, counts = class_covariance_map(
             phi, y, self.num_classes, self.dof, self.wishart_scale
         )

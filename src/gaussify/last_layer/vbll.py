@@ -42,6 +42,7 @@ from gaussify.last_layer.covariance import GaussianRows, StructuredCovariance
 from gaussify.last_layer.noise import NoiseCovariance, NoiseStructure
 from gaussify.last_layer.parameterization import ParameterizationName, make_covariance
 from gaussify.predictive import LINKS, Predictive
+from gaussify.validation import check_count
 
 __all__ = [
     "ClassificationHead",
@@ -110,8 +111,7 @@ class ClassificationHead(VBLLHead):
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
         if link not in ("mc", "probit", "bridge"):
             raise ValueError(f"link: expected 'mc', 'probit' or 'bridge', got {link!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected a positive integer, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         self.link, self.num_samples = link, num_samples
 
     def check_targets(self, y: Any, num: int) -> Tensor:

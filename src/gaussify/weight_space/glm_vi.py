@@ -17,9 +17,10 @@ steps reach the variational optimum.
 
 from __future__ import annotations
 
-from gaussify.batches import Batches, as_batches, num_examples
+from gaussify.batches import Batches
 from gaussify.model_checks import in_eval_mode
 from gaussify.state import transactional
+from gaussify.validation import validated_batches
 from gaussify.weight_space.ngvi import NaturalGradientVI
 from gaussify.weight_space.ngvi_math import blend_curvature
 
@@ -48,11 +49,16 @@ class GLMVI(NaturalGradientVI):
         (in the engine's structure; the same matrix as ``gs.Laplace(...).fit(data)``). This is
         one NGVI step with gamma = 1 and Lambda evaluated at the mode's outputs; it also sets
         N for later :meth:`step` calls. Returns ``self``."""
+        batches = validated_batches(
+            data, batch_size, model=self.model, task=self.task, owner="GLMVI.init_laplace"
+        )
         self.model.eval()
         curvature = self._new_curvature()
-        for x, y in as_batches(data, batch_size):
+        num_data = 0
+        for x, y in batches:  # one pass: a generator is enough
             curvature.update(self.model, x, y)
-        self.num_data = num_examples(data)
+            num_data += x.shape[0]
+        self.num_data = num_data
         self._state = blend_curvature(
             self.structure, self._state, curvature.state_dict(), 1.0, self.num_data
         )

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from gaussify import distributed
-from gaussify.batches import Batches, as_batches
+from gaussify.batches import Batches
 from gaussify.curvature import make_curvature
 from gaussify.curvature.base import LastLayerPrecision
 from gaussify.curvature.jacobian import (
@@ -72,6 +72,7 @@ from gaussify.tuning import (
     residual_rms,
     tune_hyperparameters,
 )
+from gaussify.validation import check_count, check_inputs, validated_batches
 from gaussify.weight_space.joint import function_samples, joint_predictive
 from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
 from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
@@ -280,7 +281,10 @@ class Laplace:
             )
         # a fit that raises (e.g. NaN data) leaves the previous fit's state untouched: the
         # statistics go to a new curvature that replaces the old one only at the end
-        self._accumulate(as_batches(data, batch_size=batch_size), None, progress)
+        batches = validated_batches(
+            data, batch_size, model=self.model, task=self.task, owner="Laplace.fit"
+        )
+        self._accumulate(batches, None, progress)
         if previous is not None:
             self._add_statistics(previous)
         self.theta_star, self.mean = theta_star, theta_star.clone()
@@ -501,7 +505,14 @@ class Laplace:
             tol = 10 * torch.finfo(self.mean.dtype).eps
         elif not math.isfinite(tol) or tol < 0:
             raise ValueError(f"tol: expected a finite number >= 0 or None, got {tol!r}")
-        batches = as_batches(data, batch_size=batch_size)
+        batches = validated_batches(
+            data,
+            batch_size,
+            model=self.model,
+            task=self.task,
+            owner="Laplace.refine",
+            multi_pass=True,
+        )
         shift = self.mean - self.theta_star
         prior_vec = expand_prior(self.prior_precision, self.subset).to(self.mean.dtype)
 
@@ -640,6 +651,7 @@ class Laplace:
         ``named_parameters()`` order (laplace-torch's ``parameters_to_vector`` layout), the
         entries outside the subset (or subnetwork) at the model's current (MAP) values.
         """
+        num_samples = check_count(num_samples, "num_samples")
         draws = self.mean + self.posterior.sample(num_samples, generator=generator)
         if not full:
             return draws
@@ -842,6 +854,9 @@ class Laplace:
         mean and variance, e.g. for Bayesian-optimisation acquisitions).
         """
         self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
+        chunk_size = check_count(chunk_size, "chunk_size")
         noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
         if joint:
             if method != "glm" or diagonal_output:
@@ -906,6 +921,9 @@ class Laplace:
         """Latent function samples ``(S, N, C)`` at ``x`` that share their S weight draws
         across inputs (smooth sample paths); see
         :func:`gaussify.weight_space.joint.function_samples`."""
+        self._require_fit()
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
         return function_samples(self, x, num_samples, method=method, generator=generator)
 
     def _nn_samples(self, x: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:

@@ -70,6 +70,7 @@ from gaussify.state import (
     transactional,
     validate_state,
 )
+from gaussify.validation import check_count, check_data, check_inputs, check_targets
 from gaussify.weight_space.ngvi_math import (
     STRUCTURES,
     Structure,
@@ -160,16 +161,15 @@ class NaturalGradientVI:
             raise ValueError(f"structure: expected one of {STRUCTURES}, got {structure!r}")
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr <= 1:
             raise ValueError(f"lr: the step size gamma must be in (0, 1], got {lr!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected an integer S >= 1, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         if antithetic and num_samples % 2:
             raise ValueError(f"num_samples: antithetic pairs need an even S, got {num_samples}")
         if init_precision is not None and not (
             math.isfinite(init_precision) and init_precision > 0
         ):
             raise ValueError(f"init_precision: must be finite and > 0, got {init_precision!r}")
-        if num_data is not None and num_data < 1:
-            raise ValueError(f"num_data: must be a positive integer, got {num_data!r}")
+        if num_data is not None:
+            num_data = check_count(num_data, "num_data")
         self.model = model
         self.likelihood = get_likelihood(likelihood, sigma_noise=sigma_noise)
         self.task = self.likelihood.task
@@ -249,6 +249,7 @@ class NaturalGradientVI:
 
     def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Weight samples from q_t, (S, P) in the subset's flattening order."""
+        num_samples = check_count(num_samples, "num_samples")
         return self.mean + self.posterior.sample(num_samples, generator=generator or self.generator)
 
     def _draws(self) -> Tensor:
@@ -359,6 +360,10 @@ class NaturalGradientVI:
         ``num_data`` examples (default: the constructor's, else B, i.e. full batch). Returns
         the Monte Carlo estimate of the batch's mean log-likelihood under q_t."""
         x, y = batch
+        check_inputs(x, self.model)
+        check_targets(y, self.task, name="y", num_rows=x.shape[0])
+        if num_data is not None:
+            num_data = check_count(num_data, "num_data")
         n_total = num_data or self.num_data or int(x.shape[0])
         self.model.eval()
         thetas = self._draws()
@@ -411,8 +416,17 @@ class NaturalGradientVI:
         DataLoader or an ``(x, y)`` pair, shuffled with the engine's generator). With
         ``monitor`` the ELBO is estimated after each epoch (``history.elbo``); with ``tol``
         fitting stops once it changes by less than ``tol`` per example."""
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs: must be a positive integer, got {epochs!r}")
+        epochs = check_count(epochs, "epochs")
+        batch_size = check_count(batch_size, "batch_size")
+        if monitor:
+            elbo_samples = check_count(elbo_samples, "elbo_samples")
+        data = check_data(
+            data,
+            model=self.model,
+            task=self.task,
+            owner=f"{type(self).__name__}.fit",
+            multi_pass=True,
+        )
         self.num_data = num_examples(data)
         batches = as_batches(data, batch_size, shuffle=shuffle, generator=self.generator)
         epoch_iter: Any = range(epochs)
@@ -470,9 +484,11 @@ class NaturalGradientVI:
         Without a ``generator`` the draws come from a fixed seed, so successive estimates
         share random numbers and their differences reflect changes of q, not noise.
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
+        num_samples = check_count(num_samples, "num_samples")
         method = self._method(method)
+        data = check_data(
+            data, model=self.model, task=self.task, owner=f"{type(self).__name__}.elbo"
+        )
         if generator is None:
             generator = torch.Generator().manual_seed(1 + (self.seed or 0))
         post = self.posterior
@@ -506,6 +522,9 @@ class NaturalGradientVI:
         GLM-VI. ``"glm"``: N(f(x; theta_lin) + J (mu - theta_lin), J Sigma J^T) with the
         ``link`` approximation; ``"nn"``: ``num_samples`` networks theta ~ q."""
         method = self._method(method)
+        check_inputs(x, self.model)
+        num_samples = check_count(num_samples, "num_samples")
+        chunk_size = check_count(chunk_size, "chunk_size")
         noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
         self.model.eval()
         if method == "nn":

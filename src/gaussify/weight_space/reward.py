@@ -29,6 +29,7 @@ from gaussify.curvature.jacobian import jacobians
 from gaussify.curvature.subset import select_parameters
 from gaussify.model_checks import in_eval_mode
 from gaussify.predictive import Predictive, predictive_from_gaussian
+from gaussify.validation import check_count, check_inputs
 from gaussify.weight_space.laplace import Laplace
 
 __all__ = ["BradleyTerry", "predict_reward", "preference_pairs"]
@@ -86,6 +87,8 @@ def predict_reward(laplace: Laplace, x: Tensor, chunk_size: int = 256) -> Predic
             f"laplace: expected a Laplace fitted on a BradleyTerry pair model, got a model of "
             f"type {type(model).__name__}"
         )
+    check_inputs(x, model.reward)
+    chunk_size = check_count(chunk_size, "chunk_size")
     names = [n.removeprefix(PREFIX) for n in laplace.subset.names]
     # the same tensors without the pair wrapper's prefix (and the same subnetwork, if any)
     subset = replace(select_parameters(model.reward, names), indices=laplace.subset.indices)

@@ -41,6 +41,7 @@ from gaussify.compat.laplace.enums import (
 )
 from gaussify.compat.laplace.links import apply_link, normal_draws
 from gaussify.compat.laplace.tuning import optimize_prior_precision
+from gaussify.validation import check_data
 from gaussify.weight_space.laplace import Laplace as _Engine
 
 __all__ = [
@@ -255,6 +256,10 @@ class ParametricLaplace:
         ``train_loader`` (``override=False`` adds to the previous fit)."""
         if not override and self._key[0] == "last_layer":
             raise ValueError("override: last-layer Laplace does not support override=False")
+        # the loader is read twice (the fit, then one batch for n_outputs): no generators
+        train_loader = check_data(
+            train_loader, model=self.model, owner=f"{type(self).__name__}.fit", multi_pass=True
+        )
         self._pushed = None
         self._engine.sigma_noise = self._sigma.detach()
         self._engine.fit(train_loader, reset=override, progress=progress_bar)

@@ -1,0 +1,7 @@
+// MathJax settings for pymdownx.arithmatex (generic mode): $...$ inline, $$...$$ display.
+window.MathJax = {
+  tex: { inlineMath: [["\\(", "\\)"]], displayMath: [["\\[", "\\]"]],
+         processEscapes: true, processEnvironments: true },
+  options: { ignoreHtmlClass: ".*|", processHtmlClass: "arithmatex" },
+};
+document$.subscribe(() => { if (window.MathJax.typesetPromise) MathJax.typesetPromise(); });

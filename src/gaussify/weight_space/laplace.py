@@ -706,20 +706,16 @@ class Laplace:
         optimizer: Optimizer = "lbfgs",
         fixed_steps: bool = False,
     ) -> Laplace:
-        """Type-II maximum likelihood of the prior precision (and, for regression, the noise).
-
-        ``method="gradient"``: :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start,
-        at most ``n_steps`` iterations of ``optimizer``, "lbfgs" or "adam" with step ``lr``,
-        a convergence test, a :class:`gaussify.warnings.ConvergenceWarning` when it stops
-        unconverged); ``granularity`` "scalar", "layer" (per tensor) or "diag" (per parameter).
-        ``method="grid"``: the best scalar prior on ``grid`` (a 1-D tensor or sequence; default
-        10^-4 .. 10^4, 41 points). ``fixed_steps=True``: exactly ``n_steps`` Adam steps from the
-        current value (laplace-torch's tuning). The outcome is kept in :attr:`tuning_result`.
-        ``data`` is fitted first when the posterior is not fitted yet. Where the structure's
-        eigenbasis diagonalises the prior (:meth:`spectrum`) the evidence and its gradient are
-        closed forms in the curvature's eigenvalues (:mod:`gaussify.spectral`, O(P) per call);
-        elsewhere each call differentiates the dense evidence with autograd.
-        """
+        """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
+        by :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
+        iterations of ``optimizer``, "lbfgs" or "adam" with step ``lr``, a convergence test and
+        a :class:`gaussify.warnings.ConvergenceWarning` when unconverged); ``granularity``
+        "scalar", "layer" or "diag". ``method="grid"``: the best scalar prior on ``grid`` (1-D,
+        default 10^-4 .. 10^4, 41 points). ``fixed_steps``: exactly ``n_steps`` Adam steps from
+        the current value (laplace-torch's tuning). The outcome is kept in :attr:`tuning_result`;
+        ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
+        prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
+        per call); elsewhere each call differentiates the dense evidence with autograd."""
         n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))

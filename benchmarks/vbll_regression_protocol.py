@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first .. first+n-1")
     parser.add_argument("--epochs", type=int, default=150)
     parser.add_argument(
         "--methods",
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime += part["runtime_s"]
     for name in [] if args.merge else args.datasets:
         for method in args.methods:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 rec = run_one(name, seed, method, args.epochs)
                 records.append(rec)
                 print(

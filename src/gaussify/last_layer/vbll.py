@@ -62,8 +62,7 @@ def default_prior_scale(in_features: Any) -> float:
     """The default prior variance of a regression head's weights, ``1 / in_features``: the
     prior function variance ``||phi||^2 / D`` is then the mean square feature (App. C.5's
     ``N(0, I)`` on normalised features, as in the authors' code)."""
-    if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
-        raise ValueError(f"in_features: expected a positive integer, got {in_features!r}")
+    in_features = check_count(in_features, "in_features")
     return 1.0 / in_features
 
 

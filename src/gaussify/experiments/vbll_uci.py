@@ -14,7 +14,8 @@ Protocol of App. G.2 of the paper, on every UCI regression set this library ship
 Methods (all single-pass, same network, same protocol):
 
 * ``vbll``: :class:`~gaussify.last_layer.VBLLRegression` head (dense covariance, prior
-  ``N(0, I)``, noise prior ``W^-1(1, 1)``, KL weight ``1/N``) trained jointly with the features;
+  ``N(0, I / D)`` -- the head's default, the authors' ``prior_scale=1`` --, noise prior
+  ``W^-1(1, 1)``, KL weight ``1/N``) trained jointly with the features;
 * ``map``: ``nn.Linear`` head with a Gaussian likelihood whose noise ``log sigma`` is learned
   (weight decay is the only regulariser);
 * ``laplace``: the ``map`` network with a last-layer full-covariance Laplace posterior
@@ -259,7 +260,7 @@ def make_model(
     :class:`MAPRegressor`."""
     body = make_body(d_in, width, depth)
     if method == "vbll":
-        kwargs = {"prior_scale": 1.0, "wishart_scale": 1.0, "dof": 1.0, **head_kwargs}
+        kwargs = {"prior_scale": None, "wishart_scale": 1.0, "dof": 1.0, **head_kwargs}
         return nn.Sequential(body, VBLLRegression(width, 1, 1.0 / num_train, **kwargs))
     if method == "map":
         return MAPRegressor(body, width)
@@ -486,7 +487,7 @@ class Config:
     lr: float = 1e-3
     weight_decay: float = 1e-2
     max_grad_norm: float = 1.0
-    prior_scale: float = 1.0
+    prior_scale: float | None = None  # None: the head's default 1 / width
     wishart_scale: float = 1.0
     dof: float = 1.0
     parameterization: str = "dense"

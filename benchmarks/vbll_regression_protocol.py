@@ -1,0 +1,237 @@
+"""gaussify's ``VBLLRegression`` at its defaults vs the ``vbll`` package at every
+``wishart_scale``, on one fixed-budget regression protocol (issue 19).
+
+    pip install --no-deps vbll          # pure Python; never let pip pull another torch
+    OMP_NUM_THREADS=1 python benchmarks/vbll_regression_protocol.py [--datasets boston ...]
+        [--seeds 3] [--epochs 150] [--output benchmarks/results/vbll_regression_protocol.json]
+    # or one process per data set, then: --merge part1.json part2.json ...
+
+Protocol (both libraries in the same process, paired): for each data set and seed ``s``,
+``gaussify.data.load(name, seed=s)`` (standardised inputs and targets; the training part only,
+the validation part is not used), the App. G.2 feature network (2 x 50 leaky ReLU,
+:func:`gaussify.experiments.vbll_uci.make_body`) and a regression head with KL weight
+``1 / N``; AdamW (lr 1e-3, its default weight decay 1e-2), batch 32, a fixed 150 epochs, no
+gradient clipping and no early stopping. ``torch.manual_seed(s)`` before building each model
+and the same batch order for every head, so every method starts from the same body weights.
+``"name/300"`` trains on the first 300 training rows only (a small, noisy set on which the
+features over-fit within the budget: the regime where the noise collapses).
+
+Heads:
+
+* ``gaussify``: ``VBLLRegression(50, 1, 1/N)`` -- the defaults (prior variance ``1/D``,
+  ``W^-1(1, 1)`` noise prior, noise initialised at the target variance 1);
+* ``gaussify_prior1``: the same with ``prior_scale=1.0``, the default before issue 19
+  (prior variance 1 per weight, 50 times weaker at ``D = 50``);
+* ``vbll_ws{w}``: ``vbll.Regression(50, 1, 1/N, wishart_scale=w)`` at the package's other
+  defaults (prior variance ``1 / D``, ``dof=1``) for ``w`` in 0.01, 0.1, 1, 10. The package
+  initialises ``log sigma ~ N(0, log(w)^2)``: away from ``w = 1`` the starting noise is a random
+  draw over orders of magnitude, which 150 epochs of Adam at lr 1e-3 need not undo.
+
+Reported per data set and head: test NLL (standardised units, the head's own predictive),
+test and training MSE, mean predictive variance and final noise variance, mean ± standard error
+over seeds and per seed; ``best_vbll`` is the package's ``wishart_scale`` with the lowest mean
+test NLL, chosen on the test set (an optimistic baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import gaussify as gs
+from gaussify.experiments.vbll_uci import make_body
+from gaussify.last_layer import VBLLRegression
+
+RESULTS = Path(__file__).resolve().parent / "results" / "vbll_regression_protocol.json"
+DATASETS = ("boston", "concrete", "wine_red", "yacht", "wine_red/300")
+WISHART_SCALES = (0.01, 0.1, 1.0, 10.0)
+WIDTH = 50
+
+
+def make_head(method: str, num_train: int) -> nn.Module:
+    """A fresh head for ``method`` (see the module doc)."""
+    if method == "gaussify":
+        return VBLLRegression(WIDTH, 1, 1.0 / num_train)
+    if method == "gaussify_prior1":
+        return VBLLRegression(WIDTH, 1, 1.0 / num_train, prior_scale=1.0)
+    if method.startswith("vbll_ws"):
+        import vbll
+
+        return vbll.Regression(WIDTH, 1, 1.0 / num_train, wishart_scale=float(method[7:]))
+    raise ValueError(f"method: unknown {method!r}")
+
+
+def _moments(head: nn.Module, phi: Tensor) -> tuple[Tensor, Tensor, float]:
+    """Predictive mean (N, 1), variance (N, 1) and the noise variance of either library."""
+    pred = head(phi).predictive
+    if isinstance(head, VBLLRegression):
+        return pred.mean, pred.var, float(head.noise_cov.variance.squeeze())
+    return pred.mean, pred.variance, float(head.noise().variance.squeeze())
+
+
+def load(name: str, seed: int) -> dict[str, Tensor]:
+    base, _, rows = name.partition("/")
+    ds = gs.data.load(base, seed=seed)
+    x, y = ds.x_train, ds.y_train
+    if rows:
+        x, y = x[: int(rows)], y[: int(rows)]
+    return {"x": x, "y": y, "x_test": ds.x_test, "y_test": ds.y_test}
+
+
+def run_one(name: str, seed: int, method: str, epochs: int, batch: int = 32) -> dict[str, Any]:
+    data = load(name, seed)
+    x, y = data["x"], data["y"]
+    torch.manual_seed(seed)
+    body = make_body(x.shape[1], WIDTH)
+    head = make_head(method, len(x))
+    params = [*body.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=gen).split(batch):
+            opt.zero_grad(set_to_none=True)
+            head(body(x[idx])).train_loss_fn(y[idx]).backward()
+            opt.step()
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        phi_test = body(data["x_test"])
+        nll = float(head(phi_test).val_loss_fn(data["y_test"]))
+        mean, var, noise = _moments(head, phi_test)
+        train_mean, _, _ = _moments(head, body(x))
+    return {
+        "dataset": name,
+        "seed": seed,
+        "method": method,
+        "num_train": len(x),
+        "test_nll": nll,
+        "test_mse": float((mean - data["y_test"]).square().mean()),
+        "train_mse": float((train_mean - y).square().mean()),
+        "pred_var": float(var.mean()),
+        "noise_var": noise,
+        "seconds": seconds,
+    }
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for name in dict.fromkeys(r["dataset"] for r in records):
+        by_method: dict[str, dict[str, Any]] = {}
+        for method in dict.fromkeys(r["method"] for r in records if r["dataset"] == name):
+            sel = sorted(
+                (r for r in records if r["dataset"] == name and r["method"] == method),
+                key=lambda r: r["seed"],
+            )
+            row: dict[str, Any] = {"dataset": name, "method": method, "num_seeds": len(sel)}
+            for key in ("test_nll", "test_mse", "train_mse", "pred_var", "noise_var"):
+                row[f"{key}_mean"], row[f"{key}_se"] = _mean_se([r[key] for r in sel])
+            row["test_nll_per_seed"] = [r["test_nll"] for r in sel]
+            row["noise_var_per_seed"] = [r["noise_var"] for r in sel]
+            by_method[method] = row
+            rows.append(row)
+        vbll_rows = [r for m, r in by_method.items() if m.startswith("vbll_ws")]
+        if vbll_rows and "gaussify" in by_method:
+            best = min(vbll_rows, key=lambda r: r["test_nll_mean"])
+            ours = by_method["gaussify"]
+            rows.append(
+                {
+                    "dataset": name,
+                    "method": "summary",
+                    "best_vbll": best["method"],
+                    "best_vbll_nll": best["test_nll_mean"],
+                    "gaussify_nll": ours["test_nll_mean"],
+                    "gaussify_minus_best_vbll": ours["test_nll_mean"] - best["test_nll_mean"],
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first .. first+n-1")
+    parser.add_argument("--epochs", type=int, default=150)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["gaussify", "gaussify_prior1", *(f"vbll_ws{w}" for w in WISHART_SCALES)],
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--merge", nargs="+", type=Path, default=None, help="combine the records of earlier runs"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    runtime = 0.0
+    for path in args.merge or []:
+        part = json.loads(path.read_text())
+        records += part["records"]
+        runtime += part["runtime_s"]
+    for name in [] if args.merge else args.datasets:
+        for method in args.methods:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                rec = run_one(name, seed, method, args.epochs)
+                records.append(rec)
+                print(
+                    f"{name:14s} {method:16s} seed {seed}: NLL {rec['test_nll']:8.3f} "
+                    f"MSE {rec['test_mse']:.3f} (train {rec['train_mse']:.3f}) "
+                    f"noise {rec['noise_var']:.3g}",
+                    flush=True,
+                )
+            _write(args, records, runtime + time.perf_counter() - start)  # partial results
+    rows = _write(args, records, runtime + time.perf_counter() - start)
+    for row in rows:
+        if row["method"] == "summary":
+            print(
+                f"{row['dataset']:14s} gaussify {row['gaussify_nll']:.3f}  best vbll "
+                f"({row['best_vbll']}) {row['best_vbll_nll']:.3f}"
+            )
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _write(args: argparse.Namespace, records: list[dict[str, Any]], runtime: float) -> list:
+    """Write the JSON (after every head, so an interrupted run keeps what it finished)."""
+    rows = summarise(records)
+    out = {
+        "benchmark": "vbll_regression_protocol",
+        "protocol": "2x50 leaky-ReLU body + head, AdamW lr 1e-3 (weight decay 1e-2), batch 32, "
+        f"{args.epochs} epochs, no clipping, no early stopping; standardised units; "
+        f"{args.seeds} seeds; paired (same body init and batch order per seed)",
+        "versions": {
+            "torch": torch.__version__,
+            "vbll": version("vbll"),
+            "python": platform.python_version(),
+        },
+        "runtime_s": runtime,
+        "rows": rows,
+        "records": records,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -49,16 +49,17 @@ def test_toy_run_lla_row_is_functional_laplace_and_ella_on_all_points_is_exact_t
     # the LLA row is FunctionalLaplace fitted directly on the returned network
     lla = gs.FunctionalLaplace(res.model, "regression", prior_precision=1.0, sigma_noise=0.1)
     lla.fit((x, y)).optimize_prior()
-    # a refit in another process may differ in the last bits (BLAS reduction order)
+    # a refit may stop elsewhere inside the tuner's convergence tolerance when the BLAS
+    # reduction order differs (thread count): 1e-6 relative was seen with 2 threads
     assert res.hyper == pytest.approx(
         {"prior_precision": float(lla.prior_precision), "sigma_noise": float(lla.sigma_noise)},
-        rel=1e-6,
+        rel=1e-4,
     )
     row = next(r for r in res.records if r["method"] == "lla")
     for part in toy.PARTS:
         xp, yp = res.data[part]
         assert row[f"nll_{part}"] == pytest.approx(
-            gs.metrics.gaussian_nll(lla.predict(xp).mean, lla.predict(xp).var, yp), rel=1e-5
+            gs.metrics.gaussian_nll(lla.predict(xp).mean, lla.predict(xp).var, yp), rel=1e-4
         )
     grid = {m: p["grid"] for m, p in res.predictives.items()}
     # every LLA variant but the sampled one predicts with the network output as its mean

@@ -1,0 +1,342 @@
+"""One batched backward pass of K output vectors through a chain of layers.
+
+The diagonal GGN and KFAC need, for every plain ``nn.Linear`` / ``nn.Conv2d`` layer, the
+gradients delta_{k,n} = (d s_n / d f_n)^T u_{n,k} of K output vectors u_{n,k} (the columns of
+Lambda_n^{1/2}, sampled residuals, or the residual; thesis eq. 2.24) with respect to the
+layer's output s_n. Autograd gives them with K backward passes (one per vector: a fixed cost
+per pass that dominates on small layers). Here the K vectors travel backwards together as one
+(K, N, ...) tensor, layer by layer, from the activations of a single forward pass without a
+graph (what BackPACK does for its square-root factors):
+
+* ``nn.Linear``: delta W (any leading dimensions);
+* ``nn.Conv2d`` (zero padding): the transposed convolution of the K N gradients at once;
+* ``nn.MaxPool2d``: a scatter-add through the indices of the maxima (autograd's rule);
+* element-wise activations: the product with phi'(a) (one autograd pass on N rows gives it);
+* maps whose Jacobian does not depend on the input (``Flatten``, ``Unflatten``, ``Identity``,
+  dropout and BatchNorm in eval mode, average pooling): autograd's vector-Jacobian product of
+  the K N rows at a zero input.
+
+The route applies to an ``nn.Sequential`` (nested ones flattened) of these modules in eval
+mode, each module used once; :func:`module_chain` returns None otherwise and the callers keep
+their per-vector autograd passes. Memory: the forward activations of the batch (what one
+training step holds) plus K copies of the two largest consecutive activations of the chunk of
+samples being propagated (see :func:`backward_chunk`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gaussify.curvature.patches import conv2d_patches
+
+__all__ = [
+    "ChainPass",
+    "backward_chunk",
+    "chain_forward",
+    "chain_squared_sums",
+    "module_chain",
+    "rule_chunk",
+]
+
+#: Element-wise activations: the vector-Jacobian product is g * phi'(a).
+_ELEMENTWISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Softsign,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.LogSigmoid,
+    nn.Tanhshrink,
+)
+#: Per-sample maps whose Jacobian does not depend on the input (in eval mode).
+_CONSTANT_JACOBIAN = (
+    nn.Flatten,
+    nn.Unflatten,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+)
+
+
+def _supported(module: nn.Module) -> bool:
+    kind = type(module)
+    if kind is nn.Linear:
+        return True
+    if kind is nn.Conv2d:
+        return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    if kind is nn.MaxPool2d:
+        return True
+    if kind in (nn.BatchNorm1d, nn.BatchNorm2d):
+        # eval mode with running statistics: an affine map per sample
+        return not module.training and module.running_mean is not None
+    if kind in (nn.Dropout, nn.Dropout1d, nn.Dropout2d):
+        return not module.training  # the identity in eval mode
+    return kind in _CONSTANT_JACOBIAN or kind in _ELEMENTWISE
+
+
+def module_chain(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """[(qualified name, module)] of an ``nn.Sequential`` (nested plain ``nn.Sequential``
+    flattened) whose every module the batched route supports and which uses no module twice;
+    None for any other model."""
+    if type(model) is not nn.Sequential:
+        return None
+    chain: list[tuple[str, nn.Module]] = []
+
+    def walk(seq: nn.Module, prefix: str) -> bool:
+        for name, child in seq.named_children():
+            full = f"{prefix}{name}"
+            if type(child) is nn.Sequential:
+                if not walk(child, f"{full}."):
+                    return False
+            elif _supported(child):
+                chain.append((full, child))
+            else:
+                return False
+        return True
+
+    if not walk(model, "") or not chain:
+        return None
+    if len({id(m) for _, m in chain}) != len(chain):
+        return None
+    return chain
+
+
+@dataclass
+class ChainPass:
+    """The activations of one forward pass without a graph: ``acts[i]`` is the input of module
+    i (``acts[-1]`` the output f), ``indices[i]`` the maxima of a ``MaxPool2d`` at i."""
+
+    chain: list[tuple[str, nn.Module]]
+    acts: list[Tensor]
+    indices: dict[int, Tensor]
+
+    @property
+    def output(self) -> Tensor:
+        return self.acts[-1]
+
+    def position(self, name: str) -> int:
+        return next(i for i, (n, _) in enumerate(self.chain) if n == name)
+
+
+def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
+    """Run the chain on ``x`` without a graph, keeping every module's input."""
+    acts = [x]
+    indices: dict[int, Tensor] = {}
+    h = x
+    with torch.no_grad():
+        for i, (_, m) in enumerate(chain):
+            if type(m) is nn.MaxPool2d:
+                h, idx = F.max_pool2d(
+                    h,
+                    m.kernel_size,
+                    m.stride,
+                    m.padding,
+                    m.dilation,
+                    ceil_mode=m.ceil_mode,
+                    return_indices=True,
+                )
+                indices[i] = idx
+            else:
+                h = m(h)
+            acts.append(h)
+    return ChainPass(chain, acts, indices)
+
+
+def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice) -> Tensor:
+    """g (K, B, *out_i) -> g J_i (K, B, *in_i) for module i on the samples ``rows``."""
+    m = run.chain[i][1]
+    a = run.acts[i][rows]
+    k = g.shape[0]
+    kind = type(m)
+    if kind is nn.Linear:
+        return g @ m.weight.to(g.dtype)
+    if kind is nn.Conv2d:
+        flat = g.reshape(k * a.shape[0], *g.shape[2:])
+        grad = torch.nn.grad.conv2d_input(
+            (flat.shape[0], *a.shape[1:]),
+            m.weight.detach().to(g.dtype),
+            flat,
+            m.stride,
+            m.padding,
+            m.dilation,
+            m.groups,
+        )
+        return grad.view(k, *a.shape)
+    if kind is nn.MaxPool2d:
+        idx = run.indices[i][rows]
+        spatial = a.shape[-2] * a.shape[-1]
+        out = g.new_zeros(k, *a.shape[:-2], spatial)
+        src = g.flatten(-2)
+        out.scatter_add_(-1, idx.flatten(-2).expand_as(src), src)
+        return out.view(k, *a.shape)
+    if kind is nn.Flatten or kind is nn.Unflatten:
+        return g.reshape(k, *a.shape)
+    if kind is nn.ReLU:
+        # autograd's threshold_backward: the gradient where the output is > 0, else 0
+        return g * (run.acts[i + 1][rows] > 0).to(g.dtype)
+    if kind is nn.Tanh:
+        y = run.acts[i + 1][rows].to(g.dtype)
+        return g * (1 - y * y)  # tanh_backward's g (1 - y^2)
+    if kind is nn.Sigmoid:
+        y = run.acts[i + 1][rows].to(g.dtype)
+        return g * ((1 - y) * y)  # sigmoid_backward's g (1 - y) y
+    if kind in _ELEMENTWISE:
+        with torch.enable_grad():
+            a_req = a.detach().requires_grad_(True)
+            (deriv,) = torch.autograd.grad(m(a_req).sum(), a_req)
+        return g * deriv.to(g.dtype)
+    # a constant Jacobian: autograd's vector-Jacobian product at a zero input
+    with torch.enable_grad():
+        z = a.new_zeros(k * a.shape[0], *a.shape[1:]).to(g.dtype).requires_grad_(True)
+        (grad,) = torch.autograd.grad(m(z), z, g.reshape(k * a.shape[0], *g.shape[2:]))
+    return grad.view(k, *a.shape)
+
+
+def backward_chunk(
+    run: ChainPass, u: Tensor, wanted: list[int], rows: slice
+) -> Iterator[tuple[int, Tensor]]:
+    """(i, delta_i (K, B, *out_i)) for the module positions ``wanted``, from the last to the
+    first, for the output vectors ``u`` (K, B, C) of the samples ``rows``; each delta is the
+    gradient of sum_n u_{k,n}^T f_n with respect to module i's output. Stops at the first
+    wanted module (nothing below it is propagated); one K-batched product per module."""
+    first = min(wanted)
+    targets = set(wanted)
+    g = u
+    for i in range(len(run.chain) - 1, first - 1, -1):
+        if i in targets:
+            yield i, g
+        if i > first:
+            g = _vjp(run, i, g, rows)
+
+
+def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
+    """sum_{k,n} (sum_t delta_{k,n,t} a_{n,t}^T)^2, shape (C_out, C_in / G * kh * kw), from the
+    patches (B, C_in kh kw, T) and d (K, B, C_out, H_out, W_out): one batched matmul over
+    (sample, group) of the K stacked gradients (K out/G, T) with the patches (T, in/G)."""
+    k, b, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
+    per = conv.out_channels // groups
+    dd = d.reshape(k, b, groups, per, t).permute(1, 2, 0, 3, 4).reshape(b * groups, k * per, t)
+    a = patches.view(b * groups, patches.shape[1] // groups, t)
+    grads = torch.bmm(dd, a.transpose(1, 2)).view(b, groups, k, per, -1)
+    return grads.square_().sum((0, 2)).reshape(conv.out_channels, -1)
+
+
+def chain_squared_sums(
+    model: nn.Module,
+    x: Tensor,
+    layers: dict[str, list[str]],
+    cotangents: Callable[[Tensor], Tensor],
+    view: Callable[[str], Tensor],
+    chunk_size: int | None,
+    storage: int,
+) -> Tensor | None:
+    """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
+    linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
+    added into ``view(parameter name)``; returns f (N, C), or None (before ``cotangents`` is
+    called) when the model is not a supported chain or a linear layer's input is not 2-D.
+
+    Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta_{k,n}^2) a_n^2 and the bias
+    sum_n sum_k delta^2. Convolution: the per-sample gradient sum_t delta_t a_t^T (im2col
+    patches) is formed for the K vectors of a chunk of samples at once, squared and summed.
+
+    Chunks of samples (``chunk_size`` if given) keep the pass within the memory rule: a fit's
+    peak <= 2 x (one training step's peak + the curvature's storage). The forward activations
+    of the batch are what a training step holds too; the K-fold backward tensors of a chunk get
+    the rest of that budget (:func:`rule_chunk`)."""
+    chain = module_chain(model)
+    if chain is None or not layers:
+        return None
+    names = {n for n, _ in chain}
+    if not set(layers) <= names:
+        return None
+    run = chain_forward(chain, x)
+    f = run.output
+    n = x.shape[0]
+    wanted = {run.position(m): m for m in layers}
+    for i in wanted:
+        if type(run.chain[i][1]) is nn.Linear and run.acts[i].ndim != 2:
+            return None
+    if f.ndim != 2 or f.shape[0] != n:
+        return None
+    u = cotangents(f)
+    if u.ndim != 3 or u.shape[0] != n or u.shape[2] != f.shape[1]:
+        raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
+    k = u.shape[1]
+    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        ut = u[rows].transpose(0, 1).to(f.dtype)
+        for i, d in backward_chunk(run, ut, list(wanted), rows):
+            module = run.chain[i][1]
+            a = run.acts[i][rows]
+            prefix = f"{wanted[i]}." if wanted[i] else ""
+            kinds = {kind: f"{prefix}{kind}" for kind in layers[wanted[i]]}
+            if type(module) is nn.Linear:
+                sq = (d * d).sum(0)
+                if "weight" in kinds:
+                    out = view(kinds["weight"])
+                    out.addmm_(sq.T.to(out.dtype), a.square().to(out.dtype))
+                if "bias" in kinds:
+                    out = view(kinds["bias"])
+                    out.add_(sq.sum(0).to(out.dtype))
+                continue
+            assert isinstance(module, nn.Conv2d)
+            if "weight" in kinds:
+                out = view(kinds["weight"])
+                sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
+                out.view(module.out_channels, -1).add_(sums.to(out.dtype))
+            if "bias" in kinds:
+                out = view(kinds["bias"])
+                out.add_(d.sum((-2, -1)).square().sum((0, 1)).to(out.dtype))
+    return f
+
+
+def rule_chunk(
+    run: ChainPass, model: nn.Module, k: int, storage: int, per_sample_grads: Iterable[int] = ()
+) -> int:
+    """Samples per backward chunk under the memory rule (see :func:`chain_squared_sums`):
+    budget = 2 x (a training step's estimated peak + ``storage``) less the activations, the
+    weights and the storage this pass holds anyway (all in elements); per sample K x (the two
+    largest consecutive activations) and, per convolution at the positions
+    ``per_sample_grads``, its patches and K per-sample weight gradients."""
+    n = run.acts[0].shape[0]
+    per_act = [a[0].numel() for a in run.acts]
+    pair = max(per_act[i] + per_act[i + 1] for i in range(len(per_act) - 1))
+    params = sum(p.numel() for p in model.parameters())
+    # a training step on the batch: its saved activations, the gradients of two consecutive
+    # ones during the backward pass, the weights and their gradients
+    step = n * (sum(per_act) + pair) + 2 * params
+    # 2 (step + storage), less what this pass holds anyway: the activations, the weights and
+    # the storage itself
+    budget = 2 * (step + storage) - n * sum(per_act) - params - storage
+    per_sample = k * pair
+    for i in per_sample_grads:
+        module = run.chain[i][1]
+        if type(module) is nn.Conv2d:
+            t = per_act[i + 1] // module.out_channels
+            fan_in = module.weight[0].numel()
+            per_sample += fan_in * module.groups * t + k * module.weight.numel()
+    return max(1, budget // max(per_sample, 1))

@@ -166,17 +166,19 @@ def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
 
 
 def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice) -> Tensor:
-    """g (K, B, *out_i) -> g J_i (K, B, *in_i) for module i on the samples ``rows``."""
+    """g (B, K, *out_i) -> g J_i (B, K, *in_i) for module i on the samples ``rows`` (sample
+    major, so that the K vectors of a sample are contiguous: a convolution's per-sample
+    products then need no copy)."""
     m = run.chain[i][1]
     a = run.acts[i][rows]
-    k = g.shape[0]
+    b, k = g.shape[:2]
     kind = type(m)
     if kind is nn.Linear:
         return g @ m.weight.to(g.dtype)
     if kind is nn.Conv2d:
-        flat = g.reshape(k * a.shape[0], *g.shape[2:])
+        flat = g.reshape(b * k, *g.shape[2:])
         grad = torch.nn.grad.conv2d_input(
-            (flat.shape[0], *a.shape[1:]),
+            (b * k, *a.shape[1:]),
             m.weight.detach().to(g.dtype),
             flat,
             m.stride,
@@ -184,42 +186,42 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice) -> Tensor:
             m.dilation,
             m.groups,
         )
-        return grad.view(k, *a.shape)
+        return grad.view(b, k, *a.shape[1:])
     if kind is nn.MaxPool2d:
-        idx = run.indices[i][rows]
-        spatial = a.shape[-2] * a.shape[-1]
-        out = g.new_zeros(k, *a.shape[:-2], spatial)
+        # autograd's rule: each output's gradient is added at the position of its maximum
+        idx = run.indices[i][rows].flatten(-2).unsqueeze(1)
         src = g.flatten(-2)
-        out.scatter_add_(-1, idx.flatten(-2).expand_as(src), src)
-        return out.view(k, *a.shape)
+        out = g.new_zeros(b, k, *a.shape[1:-2], a.shape[-2] * a.shape[-1])
+        out.scatter_add_(-1, idx.expand_as(src), src)
+        return out.view(b, k, *a.shape[1:])
     if kind is nn.Flatten or kind is nn.Unflatten:
-        return g.reshape(k, *a.shape)
+        return g.reshape(b, k, *a.shape[1:])
     if kind is nn.ReLU:
         # autograd's threshold_backward: the gradient where the output is > 0, else 0
-        return g * (run.acts[i + 1][rows] > 0).to(g.dtype)
+        return g * (run.acts[i + 1][rows] > 0).unsqueeze(1)
     if kind is nn.Tanh:
-        y = run.acts[i + 1][rows].to(g.dtype)
+        y = run.acts[i + 1][rows].to(g.dtype).unsqueeze(1)
         return g * (1 - y * y)  # tanh_backward's g (1 - y^2)
     if kind is nn.Sigmoid:
-        y = run.acts[i + 1][rows].to(g.dtype)
+        y = run.acts[i + 1][rows].to(g.dtype).unsqueeze(1)
         return g * ((1 - y) * y)  # sigmoid_backward's g (1 - y) y
     if kind in _ELEMENTWISE:
         with torch.enable_grad():
             a_req = a.detach().requires_grad_(True)
             (deriv,) = torch.autograd.grad(m(a_req).sum(), a_req)
-        return g * deriv.to(g.dtype)
+        return g * deriv.to(g.dtype).unsqueeze(1)
     # a constant Jacobian: autograd's vector-Jacobian product at a zero input
     with torch.enable_grad():
-        z = a.new_zeros(k * a.shape[0], *a.shape[1:]).to(g.dtype).requires_grad_(True)
-        (grad,) = torch.autograd.grad(m(z), z, g.reshape(k * a.shape[0], *g.shape[2:]))
-    return grad.view(k, *a.shape)
+        z = a.new_zeros(b * k, *a.shape[1:]).to(g.dtype).requires_grad_(True)
+        (grad,) = torch.autograd.grad(m(z), z, g.reshape(b * k, *g.shape[2:]))
+    return grad.view(b, k, *a.shape[1:])
 
 
 def backward_chunk(
     run: ChainPass, u: Tensor, wanted: list[int], rows: slice
 ) -> Iterator[tuple[int, Tensor]]:
-    """(i, delta_i (K, B, *out_i)) for the module positions ``wanted``, from the last to the
-    first, for the output vectors ``u`` (K, B, C) of the samples ``rows``; each delta is the
+    """(i, delta_i (B, K, *out_i)) for the module positions ``wanted``, from the last to the
+    first, for the output vectors ``u`` (B, K, C) of the samples ``rows``; each delta is the
     gradient of sum_n u_{k,n}^T f_n with respect to module i's output. Stops at the first
     wanted module (nothing below it is propagated); one K-batched product per module."""
     first = min(wanted)
@@ -234,11 +236,11 @@ def backward_chunk(
 
 def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
     """sum_{k,n} (sum_t delta_{k,n,t} a_{n,t}^T)^2, shape (C_out, C_in / G * kh * kw), from the
-    patches (B, C_in kh kw, T) and d (K, B, C_out, H_out, W_out): one batched matmul over
+    patches (B, C_in kh kw, T) and d (B, K, C_out, H_out, W_out): one batched matmul over
     (sample, group) of the K stacked gradients (K out/G, T) with the patches (T, in/G)."""
-    k, b, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
+    b, k, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
     per = conv.out_channels // groups
-    dd = d.reshape(k, b, groups, per, t).permute(1, 2, 0, 3, 4).reshape(b * groups, k * per, t)
+    dd = d.reshape(b, k, groups, per, t).transpose(1, 2).reshape(b * groups, k * per, t)
     a = patches.view(b * groups, patches.shape[1] // groups, t)
     grads = torch.bmm(dd, a.transpose(1, 2)).view(b, groups, k, per, -1)
     return grads.square_().sum((0, 2)).reshape(conv.out_channels, -1)
@@ -288,14 +290,14 @@ def chain_squared_sums(
     chunk = chunk_size or rule_chunk(run, model, k, storage, wanted)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        ut = u[rows].transpose(0, 1).to(f.dtype)
+        ut = u[rows].to(f.dtype)
         for i, d in backward_chunk(run, ut, list(wanted), rows):
             module = run.chain[i][1]
             a = run.acts[i][rows]
             prefix = f"{wanted[i]}." if wanted[i] else ""
             kinds = {kind: f"{prefix}{kind}" for kind in layers[wanted[i]]}
             if type(module) is nn.Linear:
-                sq = (d * d).sum(0)
+                sq = (d * d).sum(1)
                 if "weight" in kinds:
                     out = view(kinds["weight"])
                     out.addmm_(sq.T.to(out.dtype), a.square().to(out.dtype))

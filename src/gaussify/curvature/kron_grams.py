@@ -121,7 +121,7 @@ def chain_output_grams(
     chunk = chunk_size or rule_chunk(run, model, vecs.shape[0], storage)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        u = vecs[:, rows].to(run.output.dtype)
+        u = vecs[:, rows].transpose(0, 1).to(run.output.dtype)
         for i, d in backward_chunk(run, u, list(wanted), rows):
             g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
             gram(g, approx, "sum", out=out[wanted[i]])

@@ -106,7 +106,10 @@ def module_chain(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     chain: list[tuple[str, nn.Module]] = []
 
     def walk(seq: nn.Module, prefix: str) -> bool:
-        for name, child in seq.named_children():
+        # _modules, not named_children(), which skips a module's second appearance
+        for name, child in seq._modules.items():
+            if child is None:
+                return False
             full = f"{prefix}{name}"
             if type(child) is nn.Sequential:
                 if not walk(child, f"{full}."):

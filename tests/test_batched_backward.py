@@ -107,6 +107,7 @@ def test_diag_equals_float64_brute_force(kind: str, flavour: str) -> None:
     factor = middle_factor(lik, f, y, ef=flavour == "ef", draws=draws)
     expected = brute_diag(model, x, factor)
     torch.testing.assert_close(curv.ggn_diag, expected, rtol=1e-10, atol=1e-12)
+    assert not curv.ggn_diag.requires_grad  # no autograd graph across batches
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])

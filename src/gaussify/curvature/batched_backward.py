@@ -177,7 +177,7 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice) -> Tensor:
     b, k = g.shape[:2]
     kind = type(m)
     if kind is nn.Linear:
-        return g @ m.weight.to(g.dtype)
+        return g @ m.weight.detach().to(g.dtype)
     if kind is nn.Conv2d:
         flat = g.reshape(b * k, *g.shape[2:])
         grad = torch.nn.grad.conv2d_input(
@@ -229,12 +229,13 @@ def backward_chunk(
     wanted module (nothing below it is propagated); one K-batched product per module."""
     first = min(wanted)
     targets = set(wanted)
-    g = u
+    g = u.detach()
     for i in range(len(run.chain) - 1, first - 1, -1):
         if i in targets:
             yield i, g
         if i > first:
-            g = _vjp(run, i, g, rows)
+            with torch.no_grad():  # the weights require grad: no graph of the products
+                g = _vjp(run, i, g, rows)
 
 
 def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
@@ -291,6 +292,21 @@ def chain_squared_sums(
         raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
     k = u.shape[1]
     chunk = chunk_size or rule_chunk(run, model, k, storage, wanted)
+    with torch.no_grad():
+        _accumulate_squares(run, u, layers, wanted, view, chunk)
+    return f
+
+
+def _accumulate_squares(
+    run: ChainPass,
+    u: Tensor,
+    layers: dict[str, list[str]],
+    wanted: dict[int, str],
+    view: Callable[[str], Tensor],
+    chunk: int,
+) -> None:
+    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums."""
+    n, f = u.shape[0], run.output
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         ut = u[rows].to(f.dtype)
@@ -316,7 +332,6 @@ def chain_squared_sums(
             if "bias" in kinds:
                 out = view(kinds["bias"])
                 out.add_(d.sum((-2, -1)).square().sum((0, 1)).to(out.dtype))
-    return f
 
 
 def rule_chunk(

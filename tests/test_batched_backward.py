@@ -14,8 +14,6 @@ from gaussify.curvature.base import middle_factor
 from gaussify.curvature.batched_backward import chain_forward, module_chain, rule_chunk
 from gaussify.likelihoods import get_likelihood
 
-torch.set_default_dtype(torch.float64)
-
 
 class Wrapped(nn.Module):
     """The same network behind a custom forward: not a chain, so the per-vector route runs."""
@@ -30,15 +28,19 @@ class Wrapped(nn.Module):
 
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(5, 7),
-        nn.Tanh(),
-        nn.Sequential(nn.Linear(7, 6), nn.ReLU()),
-        nn.Linear(6, 6),
-        nn.GELU(),
-        nn.Dropout(0.3),
-        nn.Linear(6, 4),
-    ).eval()
+    return (
+        nn.Sequential(
+            nn.Linear(5, 7),
+            nn.Tanh(),
+            nn.Sequential(nn.Linear(7, 6), nn.ReLU()),
+            nn.Linear(6, 6),
+            nn.GELU(),
+            nn.Dropout(0.3),
+            nn.Linear(6, 4),
+        )
+        .double()
+        .eval()
+    )
 
 
 def cnn(seed: int = 0, groups: int = 2) -> nn.Sequential:
@@ -46,27 +48,31 @@ def cnn(seed: int = 0, groups: int = 2) -> nn.Sequential:
     bn = nn.BatchNorm2d(4, affine=False)  # parameters of other modules: the generic path
     bn.running_mean.uniform_(-0.5, 0.5)
     bn.running_var.uniform_(0.5, 2.0)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
-        bn,
-        nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=groups),
-        nn.Sigmoid(),
-        nn.MaxPool2d(2, ceil_mode=True),
-        nn.Conv2d(4, 3, 1),
-        nn.ELU(),
-        nn.AvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(3 * 2 * 2, 5),
-    ).eval()
+    return (
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.ReLU(),
+            bn,
+            nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=groups),
+            nn.Sigmoid(),
+            nn.MaxPool2d(2, ceil_mode=True),
+            nn.Conv2d(4, 3, 1),
+            nn.ELU(),
+            nn.AvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(3 * 2 * 2, 5),
+        )
+        .double()
+        .eval()
+    )
 
 
 def data(kind: str, n: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     x = (
-        torch.randn(n, 5, generator=gen)
+        torch.randn(n, 5, generator=gen, dtype=torch.float64)
         if kind == "mlp"
-        else torch.randn(n, 2, 7, 7, generator=gen)
+        else torch.randn(n, 2, 7, 7, generator=gen, dtype=torch.float64)
     )
     c = 4 if kind == "mlp" else 5
     return x, torch.randint(0, c, (n,), generator=gen)
@@ -198,6 +204,7 @@ def test_one_batched_pass_instead_of_one_per_vector(monkeypatch: pytest.MonkeyPa
     conv = nn.Sequential(
         nn.Conv2d(2, 3, 3), nn.Sigmoid(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 4)
     )
+    model, conv = model.double(), conv.double()
     monkeypatch.setattr(torch.autograd, "grad", counting)
     for net, kind in ((model, "mlp"), (conv, "cnn")):
         x, y = data(kind)
@@ -224,6 +231,7 @@ def test_rule_chunk_follows_the_memory_rule() -> None:
     training step's estimate step = N (sum(a) + (a_i + a_{i+1})_max) + 2 P in elements."""
     model = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 3))
     run = chain_forward(list(model.named_children()), torch.randn(50, 10))
+    assert run.output.dtype == torch.float32
     acts, pair, params, storage, k = 10 + 20 + 20 + 3, 40, 283, 283, 3
     step = 50 * (acts + pair) + 2 * params
     budget = 2 * (step + storage) - 50 * acts - params - storage

@@ -228,11 +228,12 @@ def test_module_chain_refuses_what_it_cannot_propagate() -> None:
 
 def test_rule_chunk_follows_the_memory_rule() -> None:
     """Samples per chunk = (2 (step + S) - N sum(a) - P - S) // (K (a_i + a_{i+1})_max), with a
-    training step's estimate step = N (sum(a) + (a_i + a_{i+1})_max) + 2 P in elements."""
+    training step's estimate step = N sum(a) + 2 P in elements, a the activations the
+    backward pass reads: x, the tanh's output and f here (the tanh's input is shape-only)."""
     model = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 3))
     run = chain_forward(list(model.named_children()), torch.randn(50, 10))
-    assert run.output.dtype == torch.float32
-    acts, pair, params, storage, k = 10 + 20 + 20 + 3, 40, 283, 283, 3
-    step = 50 * (acts + pair) + 2 * params
+    assert run.acts[1].device.type == "meta" and run.acts[2].device.type == "cpu"
+    acts, pair, params, storage, k = 10 + 20 + 3, 40, 283, 283, 3
+    step = 50 * acts + 2 * params
     budget = 2 * (step + storage) - 50 * acts - params - storage
     assert rule_chunk(run, model, k, storage) == budget // (k * pair)

@@ -145,7 +145,9 @@ class ChainPass:
 
 
 def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
-    """Run the chain on ``x`` without a graph, keeping every module's input."""
+    """Run the chain on ``x`` without a graph, keeping the module inputs whose values the
+    backward pass reads (:func:`_needed`; the others become shape-only ``meta`` tensors, so
+    the pass holds about what a training step saves)."""
     acts = [x]
     indices: dict[int, Tensor] = {}
     h = x
@@ -165,13 +167,32 @@ def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
             else:
                 h = m(h)
             acts.append(h)
+            if i > 0 and not _needed(chain, i):
+                acts[i] = acts[i].to("meta")  # only its shape is used: free it now
     return ChainPass(chain, acts, indices)
 
 
-def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice) -> Tensor:
+#: element-wise modules whose derivative comes from their output (:func:`_derivative`)
+_FROM_OUTPUT = (nn.ReLU, nn.Tanh, nn.Sigmoid)
+
+
+def _needed(chain: list[tuple[str, nn.Module]], i: int) -> bool:
+    """Whether the backward pass reads the values of module i's input, not only its shape:
+    a Linear / Conv2d input (the layer's products), the input of an element-wise module
+    differentiated by autograd, or the output of a ReLU / tanh / sigmoid before it."""
+    kind = type(chain[i][1])
+    if kind in (nn.Linear, nn.Conv2d):
+        return True
+    if kind in _ELEMENTWISE and kind not in _FROM_OUTPUT:
+        return True
+    return type(chain[i - 1][1]) in _FROM_OUTPUT
+
+
+def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     """g (B, K, *out_i) -> g J_i (B, K, *in_i) for module i on the samples ``rows`` (sample
     major, so that the K vectors of a sample are contiguous: a convolution's per-sample
-    products then need no copy)."""
+    products then need no copy). With ``owned`` an element-wise module overwrites g (no
+    second K-fold tensor)."""
     m = run.chain[i][1]
     a = run.acts[i][rows]
     b, k = g.shape[:2]
@@ -199,25 +220,33 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice) -> Tensor:
         return out.view(b, k, *a.shape[1:])
     if kind is nn.Flatten or kind is nn.Unflatten:
         return g.reshape(b, k, *a.shape[1:])
-    if kind is nn.ReLU:
-        # autograd's threshold_backward: the gradient where the output is > 0, else 0
-        return g * (run.acts[i + 1][rows] > 0).unsqueeze(1)
-    if kind is nn.Tanh:
-        y = run.acts[i + 1][rows].to(g.dtype).unsqueeze(1)
-        return g * (1 - y * y)  # tanh_backward's g (1 - y^2)
-    if kind is nn.Sigmoid:
-        y = run.acts[i + 1][rows].to(g.dtype).unsqueeze(1)
-        return g * ((1 - y) * y)  # sigmoid_backward's g (1 - y) y
     if kind in _ELEMENTWISE:
-        with torch.enable_grad():
-            a_req = a.detach().requires_grad_(True)
-            (deriv,) = torch.autograd.grad(m(a_req).sum(), a_req)
-        return g * deriv.to(g.dtype).unsqueeze(1)
+        deriv = _derivative(m, a, run.acts[i + 1][rows], g.dtype).unsqueeze(1)
+        return g.mul_(deriv) if owned else g * deriv
     # a constant Jacobian: autograd's vector-Jacobian product at a zero input
     with torch.enable_grad():
-        z = a.new_zeros(b * k, *a.shape[1:]).to(g.dtype).requires_grad_(True)
+        z = torch.zeros(b * k, *a.shape[1:], dtype=g.dtype, device=g.device)
+        z.requires_grad_(True)
         (grad,) = torch.autograd.grad(m(z), z, g.reshape(b * k, *g.shape[2:]))
     return grad.view(b, k, *a.shape[1:])
+
+
+def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
+    """phi'(a) of an element-wise module with input a and output ``out`` (autograd's own
+    backward formulas for ReLU, tanh and sigmoid; an autograd pass on a for the others)."""
+    kind = type(m)
+    if kind is nn.ReLU:
+        return (out > 0).to(dtype)  # threshold_backward: the gradient where the output > 0
+    if kind is nn.Tanh:
+        y = out.to(dtype)
+        return 1 - y * y  # tanh_backward: g (1 - y^2)
+    if kind is nn.Sigmoid:
+        y = out.to(dtype)
+        return (1 - y) * y  # sigmoid_backward: g (1 - y) y
+    with torch.enable_grad():
+        a_req = a.detach().requires_grad_(True)
+        (deriv,) = torch.autograd.grad(m(a_req).sum(), a_req)
+    return deriv.to(dtype)
 
 
 def backward_chunk(
@@ -230,12 +259,14 @@ def backward_chunk(
     first = min(wanted)
     targets = set(wanted)
     g = u.detach()
+    owned = False  # g is the caller's u until the first product replaces it
     for i in range(len(run.chain) - 1, first - 1, -1):
         if i in targets:
             yield i, g
         if i > first:
             with torch.no_grad():  # the weights require grad: no graph of the products
-                g = _vjp(run, i, g, rows)
+                g = _vjp(run, i, g, rows, owned)
+            owned = True
 
 
 def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
@@ -316,7 +347,7 @@ def _accumulate_squares(
             prefix = f"{wanted[i]}." if wanted[i] else ""
             kinds = {kind: f"{prefix}{kind}" for kind in layers[wanted[i]]}
             if type(module) is nn.Linear:
-                sq = (d * d).sum(1)
+                sq = torch.linalg.vector_norm(d, dim=1).square_()  # no K-fold temporary
                 if "weight" in kinds:
                     out = view(kinds["weight"])
                     out.addmm_(sq.T.to(out.dtype), a.square().to(out.dtype))
@@ -344,14 +375,15 @@ def rule_chunk(
     ``per_sample_grads``, its patches and K per-sample weight gradients."""
     n = run.acts[0].shape[0]
     per_act = [a[0].numel() for a in run.acts]
+    held = sum(a[0].numel() for a in run.acts if a.device.type != "meta")
     pair = max(per_act[i] + per_act[i + 1] for i in range(len(per_act) - 1))
     params = sum(p.numel() for p in model.parameters())
-    # a training step on the batch: its saved activations, the gradients of two consecutive
-    # ones during the backward pass, the weights and their gradients
-    step = n * (sum(per_act) + pair) + 2 * params
+    # a training step on the batch: the activations its backward pass reads (the ones held
+    # here), the weights and their gradients
+    step = n * held + 2 * params
     # 2 (step + storage), less what this pass holds anyway: the activations, the weights and
     # the storage itself
-    budget = 2 * (step + storage) - n * sum(per_act) - params - storage
+    budget = 2 * (step + storage) - n * held - params - storage
     per_sample = k * pair
     for i in per_sample_grads:
         module = run.chain[i][1]

@@ -79,7 +79,7 @@ from gaussify.curvature.kron_grams import (
     chain_capture,
     chain_output_grams,
     gram,
-    layer_inputs,
+    input_gram,
     layer_output_grads,
 )
 from gaussify.curvature.lastlayer import (
@@ -848,11 +848,13 @@ class KronGGN:
                     g = layer_output_grads(modules[ly.path], g)
                     gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
             for ly in self._layers:
-                a = layer_inputs(modules[ly.path], captured[ly.path][0][0], ly.path)
-                a = augment(a, ly.weight is not None, ly.bias is not None)
-                gram(a, self.kfac_approx, "mean", out=self._a[ly.path])
-                per_point = a.shape[1] if self.kfac_approx == "expand" else 1
-                self._m[ly.path] += a.shape[0] * per_point
+                self._m[ly.path] += input_gram(
+                    modules[ly.path],
+                    captured[ly.path][0][0],
+                    (ly.path, ly.weight is not None, ly.bias is not None),
+                    self.kfac_approx,
+                    self._a[ly.path],
+                )
         self.num_data += int(f.shape[0])
 
     def _hooked_forward(

@@ -31,6 +31,7 @@ __all__ = [
     "chain_capture",
     "chain_output_grams",
     "gram",
+    "input_gram",
     "layer_inputs",
     "layer_output_grads",
 ]
@@ -125,3 +126,26 @@ def chain_output_grams(
         for i, d in backward_chunk(run, u, list(wanted), rows):
             g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
             gram(g, approx, "sum", out=out[wanted[i]])
+
+
+def input_gram(
+    module: nn.Module,
+    inp: Tensor,
+    block: tuple[str, bool, bool],
+    approx: KFACApprox,
+    out: Tensor,
+) -> int:
+    """Add A = sum [a, 1] [a, 1]^T of a layer's input ``inp`` (N, ...) into ``out`` and return
+    the number of terms M it adds (N T for "expand", N for "reduce"). ``block``: (module path,
+    weight in the block, bias in the block). Chunks of samples keep the block inputs (a
+    convolution's im2col patches are about kh kw times its input) near the input's size."""
+    path, use_weight, use_bias = block
+    n = inp.shape[0]
+    per_sample = layer_inputs(module, inp[:1], path).numel() + 1
+    rows = max(1, min(n, inp.numel() // per_sample))
+    count = 0
+    for start in range(0, n, rows):
+        a = augment(layer_inputs(module, inp[start : start + rows], path), use_weight, use_bias)
+        gram(a, approx, "mean", out=out)
+        count += a.shape[0] * (a.shape[1] if approx == "expand" else 1)
+    return count

@@ -26,6 +26,19 @@ class Wrapped(nn.Module):
         return self.net(x)
 
 
+#: CPU, and CUDA where a GPU is present
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
+
+
+def generator(device: str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return (
@@ -92,14 +105,13 @@ def brute_diag(model: nn.Module, x: torch.Tensor, factor: torch.Tensor) -> torch
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.parametrize("flavour", ["exact", "mc", "ef"])
-def test_diag_equals_float64_brute_force(kind: str, flavour: str) -> None:
-    model = mlp() if kind == "mlp" else cnn()
+@pytest.mark.parametrize("device", DEVICES)
+def test_diag_equals_float64_brute_force(kind: str, flavour: str, device: str) -> None:
+    model = (mlp() if kind == "mlp" else cnn()).to(device)
     assert module_chain(model) is not None
-    x, y = data(kind)
+    x, y = (t.to(device) for t in data(kind))
     opts = {"ef": flavour == "ef", "mc_samples": 3 if flavour == "mc" else 0}
-    curv = make_curvature(
-        "diag", model, "classification", generator=torch.Generator().manual_seed(5), **opts
-    )
+    curv = make_curvature("diag", model, "classification", generator=generator(device, 5), **opts)
     curv.update(model, x, y)
     lik = get_likelihood("classification")
     with torch.no_grad():
@@ -107,7 +119,7 @@ def test_diag_equals_float64_brute_force(kind: str, flavour: str) -> None:
     draws = None
     if flavour == "mc":  # the same draws as the curvature's (same generator, same chunks)
         twin = make_curvature(
-            "diag", model, "classification", generator=torch.Generator().manual_seed(5), **opts
+            "diag", model, "classification", generator=generator(device, 5), **opts
         )
         draws = twin._draw(f)
     factor = middle_factor(lik, f, y, ef=flavour == "ef", draws=draws)

@@ -372,7 +372,7 @@ def rule_chunk(
     budget = 0.9 x 2 x (a training step's estimated allocations + ``storage``) less the
     activations, the output vectors, the storage and one storage-sized temporary this pass
     holds anyway (all in elements), at least one sample; per sample K x (the two
-    largest consecutive activations) and, per convolution at the positions
+    largest consecutive activations + the largest one) and, per convolution at the positions
     ``per_sample_grads``, its patches and K per-sample weight gradients."""
     n = run.acts[0].shape[0]
     per_act = [a[0].numel() for a in run.acts]
@@ -389,7 +389,9 @@ def rule_chunk(
     # diagonal sums a batch apart, to keep failures out)
     vectors = n * k * per_act[-1]
     budget = (9 * 2 * (step + storage)) // 10 - n * held - vectors - 3 * storage
-    per_sample = k * pair
+    # the K-fold gradients of two consecutive activations, and one more of the largest (a
+    # squared copy, an element-wise product)
+    per_sample = k * (pair + max(per_act[1:]))
     for i in per_sample_grads:
         module = run.chain[i][1]
         if type(module) is nn.Conv2d:

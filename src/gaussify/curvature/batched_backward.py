@@ -289,11 +289,15 @@ def chain_squared_sums(
     view: Callable[[str], Tensor],
     chunk_size: int | None,
     storage: int,
+    row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
 ) -> Tensor | None:
     """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
     linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
     added into ``view(parameter name)``; returns f (N, C), or None (before ``cotangents`` is
-    called) when the model is not a supported chain or a linear layer's input is not 2-D.
+    called). ``row_cotangents(f[rows], rows)``, if given, forms the vectors per chunk of
+    samples instead (the exact GGN's N C^2 factor is far larger than a training step for
+    many classes); it must equal ``cotangents(f)[rows]``. None is returned
+    when the model is not a supported chain or a linear layer's input is not 2-D.
 
     Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta_{k,n}^2) a_n^2 and the bias
     sum_n sum_k delta^2. Convolution: the per-sample gradient sum_t delta_t a_t^T (im2col
@@ -318,62 +322,82 @@ def chain_squared_sums(
             return None
     if f.ndim != 2 or f.shape[0] != n:
         return None
-    u = cotangents(f)
-    if u.ndim != 3 or u.shape[0] != n or u.shape[2] != f.shape[1]:
-        raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
-    k = u.shape[1]
-    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted)
+    if row_cotangents is None:
+        whole = cotangents(f)
+        if whole.ndim != 3 or whole.shape[0] != n or whole.shape[2] != f.shape[1]:
+            raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(whole.shape)}")
+
+        def vectors(rows: slice) -> Tensor:
+            return whole[rows]
+    else:
+
+        def vectors(rows: slice) -> Tensor:
+            return row_cotangents(f[rows], rows)
+
+    k = vectors(slice(0, 1)).shape[1]
+    rowwise = row_cotangents is not None
+    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise)
     with torch.no_grad():
-        _accumulate_squares(run, u, layers, wanted, view, chunk)
+        _accumulate_squares(run, vectors, layers, wanted, view, chunk)
     return f
 
 
 def _accumulate_squares(
     run: ChainPass,
-    u: Tensor,
+    vectors: Callable[[slice], Tensor],
     layers: dict[str, list[str]],
     wanted: dict[int, str],
     view: Callable[[str], Tensor],
     chunk: int,
 ) -> None:
     """The chunked backward passes of :func:`chain_squared_sums` and their squared sums."""
-    n, f = u.shape[0], run.output
+    f = run.output
+    n = f.shape[0]
+    # module position -> {"weight" / "bias": the view of ``out`` holding it}, once
+    targets: dict[int, dict[str, Tensor]] = {}
+    for i, name in wanted.items():
+        prefix = f"{name}." if name else ""
+        targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        ut = u[rows].to(f.dtype)
+        ut = vectors(rows).to(f.dtype)
         for i, d in backward_chunk(run, ut, list(wanted), rows):
-            module = run.chain[i][1]
+            module, views = run.chain[i][1], targets[i]
             a = run.acts[i][rows]
-            prefix = f"{wanted[i]}." if wanted[i] else ""
-            kinds = {kind: f"{prefix}{kind}" for kind in layers[wanted[i]]}
             if type(module) is nn.Linear:
                 sq = d.square().sum(1)  # (linalg.vector_norm over K: 100 x slower)
-                if "weight" in kinds:
-                    out = view(kinds["weight"])
-                    out.addmm_(sq.T.to(out.dtype), a.square().to(out.dtype))
-                if "bias" in kinds:
-                    out = view(kinds["bias"])
-                    out.add_(sq.sum(0).to(out.dtype))
+                if "weight" in views:
+                    w = views["weight"]
+                    w.addmm_(sq.T.to(w.dtype), a.square().to(w.dtype))
+                if "bias" in views:
+                    views["bias"].add_(sq.sum(0).to(views["bias"].dtype))
                 continue
             assert isinstance(module, nn.Conv2d)
-            if "weight" in kinds:
-                out = view(kinds["weight"])
+            if "weight" in views:
+                w = views["weight"]
                 sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
-                out.view(module.out_channels, -1).add_(sums.to(out.dtype))
-            if "bias" in kinds:
-                out = view(kinds["bias"])
-                out.add_(d.sum((-2, -1)).square().sum((0, 1)).to(out.dtype))
+                w.view(module.out_channels, -1).add_(sums.to(w.dtype))
+            if "bias" in views:
+                b = views["bias"]
+                b.add_(d.sum((-2, -1)).square().sum((0, 1)).to(b.dtype))
 
 
 def rule_chunk(
-    run: ChainPass, model: nn.Module, k: int, storage: int, per_sample_grads: Iterable[int] = ()
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    per_sample_grads: Iterable[int] = (),
+    *,
+    rowwise: bool = False,
 ) -> int:
     """Samples per backward chunk under the memory rule (see :func:`chain_squared_sums`):
     budget = 0.9 x 2 x (a training step's estimated allocations + ``storage``) less the
     activations, the output vectors, the storage and one storage-sized temporary this pass
     holds anyway (all in elements), at least one sample; per sample K x (the two
     largest consecutive activations + the largest one) and, per convolution at the positions
-    ``per_sample_grads``, its patches and K per-sample weight gradients."""
+    ``per_sample_grads``, its patches and K per-sample weight gradients. ``rowwise``: the
+    output vectors (K C per sample) are formed per chunk, not for the whole batch."""
     n = run.acts[0].shape[0]
     per_act = [a[0].numel() for a in run.acts]
     held = sum(a[0].numel() for a in run.acts if a.device.type != "meta")
@@ -387,11 +411,11 @@ def rule_chunk(
     # 2 (step + storage) with a 10 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C), the storage and a storage-sized temporary (a
     # diagonal sums a batch apart, to keep failures out)
-    vectors = n * k * per_act[-1]
+    vectors = 0 if rowwise else n * k * per_act[-1]  # rowwise: per chunk, below
     budget = (9 * 2 * (step + storage)) // 10 - n * held - vectors - 3 * storage
     # the K-fold gradients of two consecutive activations, and one more of the largest (a
     # squared copy, an element-wise product)
-    per_sample = k * (pair + max(per_act[1:]))
+    per_sample = k * (pair + max(per_act[1:])) + (k * per_act[-1] if rowwise else 0)
     for i in per_sample_grads:
         module = run.chain[i][1]
         if type(module) is nn.Conv2d:

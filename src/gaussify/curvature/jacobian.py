@@ -713,6 +713,7 @@ def squared_vjp_sum(
     *,
     budget: int | None = None,
     out: Tensor | None = None,
+    row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -759,8 +760,9 @@ def squared_vjp_sum(
     chained = None
     if covered == set(subset.names):
         # the K vectors in one batched backward pass (an nn.Sequential of supported modules)
+        views = _param_views(model, subset, out)
         chained = chain_squared_sums(
-            model, x, linears, cotangents, _param_views(model, subset, out), chunk_size, out.numel()
+            model, x, linears, cotangents, views, chunk_size, out.numel(), row_cotangents
         )
     if chained is not None:
         f = chained

@@ -59,6 +59,7 @@ exactly by Sherman-Morrison and the matrix determinant lemma.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -723,6 +724,10 @@ class KronGGN:
             return r.reshape(self.mc_samples, *f.shape) * self.mc_samples**-0.5
         return self.likelihood.hessian_sqrt(f).permute(2, 0, 1)  # columns of L_n
 
+    def _rows_vectors(self, f: Tensor, y: Tensor) -> Callable[[slice], Tensor]:
+        """rows -> the exact output vectors (K, B, C) of those samples."""
+        return lambda rows: self._output_vectors(f[rows], y[rows])
+
     def update(self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None) -> None:
         """Add the factors of one batch ``x (N, ...)``, ``y`` (sums over the batch), in chunks
         of ``chunk_size`` samples if one was given (that bounds the activation memory).
@@ -806,7 +811,9 @@ class KronGGN:
                 phi = captured[final[0].path][0][0]
                 self._kept = (at, phi) if phi.ndim == 2 else None
             exact = not self.ef and not self.mc_samples
-            vecs = self._output_vectors(at, y) if inner or not exact else None
+            # exact on the chain route: the (K, B, C) vectors per chunk of samples, not all N
+            rowwise = exact and chained is not None
+            vecs = self._output_vectors(at, y) if (inner and not rowwise) or not exact else None
             for ly in final:
                 # The output layer's B is summed in float64 whatever the model's dtype: a
                 # softmax's sum_n Lambda_n has the exact null direction 1 (every Lambda_n 1 = 0;
@@ -820,18 +827,14 @@ class KronGGN:
                     summed_hessian(self.likelihood, at.to(torch.float64), out=b)
                 else:
                     gram(vecs.transpose(0, 1).to(torch.float64), "expand", "sum", out=b)
-            num = 0 if vecs is None or not inner else vecs.shape[0]
-            if chained is not None and num:
-                assert vecs is not None
-                storage = sum(
-                    b.numel() + a.numel()
-                    for a, b in zip(self._a.values(), self._b.values(), strict=True)
-                )
+            num = 0 if vecs is None or not inner or chained is not None else vecs.shape[0]
+            if chained is not None and inner:
+                storage = sum(t.numel() for t in (*self._a.values(), *self._b.values()))
+                source = vecs if vecs is not None else self._rows_vectors(at, y)
                 paths = [ly.path for ly, _ in inner]
                 chain_output_grams(
-                    model, chained[0], paths, vecs, self.kfac_approx, self._b, None, storage
+                    model, chained[0], paths, source, self.kfac_approx, self._b, None, storage
                 )
-                num = 0
             for k in range(num):
                 assert vecs is not None
                 # One backward pass per output vector keeps memory at one batch of

@@ -11,6 +11,7 @@ backward pass (:func:`chain_output_grams`) instead of K autograd passes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -107,22 +108,26 @@ def chain_output_grams(
     model: nn.Module,
     run: ChainPass,
     paths: list[str],
-    vecs: Tensor,
+    vecs: Tensor | Callable[[slice], Tensor],
     approx: KFACApprox,
     out: dict[str, Tensor],
     chunk_size: int | None,
     storage: int,
 ) -> None:
-    """Add sum_{k,n} g g^T of the output vectors ``vecs`` (K, N, C) backpropagated to the
+    """Add sum_{k,n} g g^T of the output vectors ``vecs`` (K, N, C), or ``vecs(rows)`` (K, B, C)
+    formed per chunk of samples, backpropagated to the
     outputs of the modules ``paths`` into ``out[path]``, with one K-batched backward pass
     per chunk of samples (``chunk_size``, else the memory rule of
     :func:`gaussify.curvature.batched_backward.rule_chunk`)."""
-    n = vecs.shape[1]
+    n = run.output.shape[0]
     wanted = {run.position(p): p for p in paths}
-    chunk = chunk_size or rule_chunk(run, model, vecs.shape[0], storage)
+    rowwise = callable(vecs)
+    k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
+    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        u = vecs[:, rows].transpose(0, 1).to(run.output.dtype)
+        part = vecs(rows) if callable(vecs) else vecs[:, rows]
+        u = part.transpose(0, 1).to(run.output.dtype)
         for i, d in backward_chunk(run, u, list(wanted), rows):
             g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
             gram(g, approx, "sum", out=out[wanted[i]])

@@ -239,7 +239,7 @@ def test_module_chain_refuses_what_it_cannot_propagate() -> None:
 
 
 def test_rule_chunk_follows_the_memory_rule() -> None:
-    """Samples per chunk = (1.8 (step + S) - N sum(a) - N K C - 3 S) // (K (pair + max a)),
+    """Samples per chunk = (1.8 (step + S) - N sum(a) - N K C - S) // (K (pair + max a)),
     pair = max (a_i + a_{i+1}), with a training step's allocations step = N (sum(a) + pair / 2) + P
     in elements (activations, their gradients, weight gradients), a the activations the
     backward pass reads: x, the tanh's output and f here (the tanh's input is shape-only)."""
@@ -248,5 +248,11 @@ def test_rule_chunk_follows_the_memory_rule() -> None:
     assert run.acts[1].device.type == "meta" and run.acts[2].device.type == "cpu"
     acts, pair, params, storage, k = 10 + 20 + 3, 40, 283, 283, 3
     step = 50 * (acts + pair // 2) + params
-    budget = (18 * (step + storage)) // 10 - 50 * acts - 50 * k * 3 - 3 * storage
+    budget = (18 * (step + storage)) // 10 - 50 * acts - 50 * k * 3 - storage
     assert rule_chunk(run, model, k, storage) == budget // (k * (pair + 20))
+    budget -= storage  # a diagonal's batch temporary
+    assert rule_chunk(run, model, k, storage, copies=2) == budget // (k * (pair + 20))
+    budget += 50 * k * 3  # the vectors formed per chunk instead: K C more per sample
+    assert rule_chunk(run, model, k, storage, copies=2, rowwise=True) == budget // (
+        k * (pair + 20 + 3)
+    )

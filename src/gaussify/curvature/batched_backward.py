@@ -336,7 +336,7 @@ def chain_squared_sums(
 
     k = vectors(slice(0, 1)).shape[1]
     rowwise = row_cotangents is not None
-    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise)
+    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, copies=2)
     with torch.no_grad():
         _accumulate_squares(run, vectors, layers, wanted, view, chunk)
     return f
@@ -390,11 +390,12 @@ def rule_chunk(
     per_sample_grads: Iterable[int] = (),
     *,
     rowwise: bool = False,
+    copies: int = 1,
 ) -> int:
     """Samples per backward chunk under the memory rule (see :func:`chain_squared_sums`):
     budget = 0.9 x 2 x (a training step's estimated allocations + ``storage``) less the
-    activations, the output vectors, the storage and one storage-sized temporary this pass
-    holds anyway (all in elements), at least one sample; per sample K x (the two
+    activations, the output vectors and ``copies`` storage-sized tensors this pass holds
+    anyway (all in elements), at least one sample; per sample K x (the two
     largest consecutive activations + the largest one) and, per convolution at the positions
     ``per_sample_grads``, its patches and K per-sample weight gradients. ``rowwise``: the
     output vectors (K C per sample) are formed per chunk, not for the whole batch."""
@@ -409,10 +410,10 @@ def rule_chunk(
     # and the weights' gradients
     step = n * (held + pair // 2) + params
     # 2 (step + storage) with a 10 % margin, less what this pass holds anyway: the
-    # activations, the output vectors (N K C), the storage and a storage-sized temporary (a
-    # diagonal sums a batch apart, to keep failures out)
+    # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
+    # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)
     vectors = 0 if rowwise else n * k * per_act[-1]  # rowwise: per chunk, below
-    budget = (9 * 2 * (step + storage)) // 10 - n * held - vectors - 3 * storage
+    budget = (9 * 2 * (step + storage)) // 10 - n * held - vectors - copies * storage
     # the K-fold gradients of two consecutive activations, and one more of the largest (a
     # squared copy, an element-wise product)
     per_sample = k * (pair + max(per_act[1:])) + (k * per_act[-1] if rowwise else 0)

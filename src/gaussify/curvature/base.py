@@ -592,6 +592,12 @@ class GaussNewtonCurvature:
             held["draws"] = self._draw(f)
             return self._factor(f, y, held["draws"]).transpose(1, 2)
 
+        def row_cotangents(f: Tensor, rows: slice) -> Tensor:
+            # the same factor for a chunk of rows (exact GGN and EF: no sampled labels)
+            if offset is not None:
+                f = f + offset[rows].to(f.dtype)
+            return self._factor(f, y[rows], None).transpose(1, 2)
+
         # squared_vjp_sum raises (naming the parameter) when the sum is not finite
         batch, f = squared_vjp_sum(
             model,
@@ -601,11 +607,12 @@ class GaussNewtonCurvature:
             self.chunk_size,
             budget=self._chunk_budget(),
             out=batch,
+            row_cotangents=None if self.mc_samples else row_cotangents,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:
             self.last_outputs = (f, None)
-        return (batch if out is None else out.add_(batch)), f, None, held["draws"]
+        return (batch if out is None else out.add_(batch)), f, None, held.get("draws")
 
     def state_schema(self) -> dict[str, Any]:
         """The declarative schema of :meth:`state_dict` (:mod:`gaussify.state`)."""

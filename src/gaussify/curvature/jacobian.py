@@ -38,12 +38,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.func as tfunc
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from gaussify.curvature.batched_backward import chain_squared_sums
+from gaussify.curvature.patches import (
+    conv2d_patches,
+    conv_per_sample_elements,
+    conv_weight_grads,
+)
 from gaussify.curvature.subset import ParameterSubset, require_whole_tensors, select_parameters
 
 __all__ = [
@@ -309,7 +314,7 @@ def _write_conv_products(
     tr: _LinearTrace, block: Tensor, offsets: dict[str, tuple[int, int]]
 ) -> None:
     """Write a traced convolution's per-sample products into ``block`` (B, K, P): the weight
-    columns sum_t delta_t a_t^T (:func:`_conv_weight_grads`), the bias columns sum_t delta_t."""
+    columns sum_t delta_t a_t^T (:func:`conv_weight_grads`), the bias columns sum_t delta_t."""
     conv = tr.conv
     assert conv is not None
     k, b = tr.deltas.shape[:2]
@@ -320,7 +325,7 @@ def _write_conv_products(
             patches = conv2d_patches(conv, tr.inputs)
             rows = target.view(b, k, conv.out_channels, -1)
             for j in range(k):
-                rows[:, j].copy_(_conv_weight_grads(conv, patches, tr.deltas[j]))
+                rows[:, j].copy_(conv_weight_grads(conv, patches, tr.deltas[j]))
         else:
             target.copy_(tr.deltas.sum((-2, -1)).transpose(0, 1))
 
@@ -476,58 +481,6 @@ class _LinearTrace:
     #: the layer's output in the autograd graph of f (kept only by ``_traces_from(...,
     #: backward=False)``, whose caller runs the backward passes itself)
     output: Tensor | None = None
-
-
-def conv2d_patches(module: nn.Conv2d, inp: Tensor, name: str = "") -> Tensor:
-    """The unfolded input patches (im2col) of a ``nn.Conv2d``, shape (N, C_in kh kw, T).
-
-    The module's own padding first (any ``padding_mode``, ``'same'`` and ``'valid'``
-    included), then ``F.unfold`` with its kernel size, dilation and stride: column t is the
-    receptive field a_t of output location t in the (channel, kh, kw) order of
-    ``weight.reshape(C_out, -1)``, so the layer is s_t = W a_t + b at each of its T output
-    locations (with ``groups`` = G, group g's rows are its C_in / G channels and its weight
-    rows are output channels [g C_out / G, (g + 1) C_out / G)). ``name`` only labels errors.
-    """
-    if not isinstance(module, nn.Conv2d):
-        raise TypeError(f"module: expected an nn.Conv2d, got {type(module).__name__}")
-    if inp.ndim != 4:
-        raise ValueError(
-            f"Conv2d module {name or '<root>'!r}: expected a batched (N, C, H, W) input, got "
-            f"shape {tuple(inp.shape)} (the per-sample route needs one batch dimension)"
-        )
-    left, right, top, bottom = module._reversed_padding_repeated_twice
-    if module.padding_mode == "zeros" and left == right and top == bottom:
-        padding = (top, left)  # unfold pads with zeros itself, without a padded copy
-    else:
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        inp = F.pad(inp, (left, right, top, bottom), mode=mode)
-        padding = (0, 0)
-    return F.unfold(
-        inp, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
-    )
-
-
-def _conv_weight_grads(conv: nn.Conv2d, patches: Tensor, deltas: Tensor) -> Tensor:
-    """Per-sample weight gradients of a convolution for one output vector, (B, C_out, in/G).
-
-    For sample n: sum_t delta_{n,o,t} a_{n,i,t} over the T output locations, one batched matmul
-    over (sample, group) of delta (out/G, T) with the patches (T, in/G), in = C_in kh kw.
-    ``patches`` (B, C_in kh kw, T) from :func:`conv2d_patches`, ``deltas`` (B, C_out, H_out,
-    W_out). Row o is W[o] flattened (the weight's own (C_out, C_in/G, kh, kw) order).
-    """
-    b, groups, t = deltas.shape[0], conv.groups, patches.shape[-1]
-    d = deltas.reshape(b * groups, conv.out_channels // groups, t)
-    a = patches.view(b * groups, patches.shape[1] // groups, t)
-    return torch.bmm(d, a.transpose(1, 2)).view(b, conv.out_channels, -1)
-
-
-def _conv_per_sample_elements(conv: nn.Conv2d, inp: int, out: int) -> int:
-    """Elements one sample's conv route holds while it streams over the output vectors: its
-    input ``inp`` and output ``out`` sizes (saved by the forward pass), one output gradient,
-    the patches and one weight gradient."""
-    t = out // conv.out_channels
-    patches = conv.weight[0].numel() * conv.groups * t
-    return 2 * out + inp + patches + conv.weight.numel()
 
 
 def _linear_traces(
@@ -760,6 +713,7 @@ def squared_vjp_sum(
     *,
     budget: int | None = None,
     out: Tensor | None = None,
+    row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -802,7 +756,17 @@ def squared_vjp_sum(
         out = torch.zeros(subset.num_params, dtype=dtype, device=x.device)
     elif out.shape != (subset.num_params,):
         raise ValueError(f"out: expected shape ({subset.num_params},), got {tuple(out.shape)}")
-    if not linears or (budget is None and chunk_size is None):
+    covered = {f"{m}.{kind}" if m else kind for m, kinds in linears.items() for kind in kinds}
+    chained = None
+    if covered == set(subset.names):
+        # the K vectors in one batched backward pass (an nn.Sequential of supported modules)
+        views = _param_views(model, subset, out)
+        chained = chain_squared_sums(
+            model, x, linears, cotangents, views, chunk_size, out.numel(), row_cotangents
+        )
+    if chained is not None:
+        f = chained
+    elif not linears or (budget is None and chunk_size is None):
         f = _add_squared_sums(model, x, subset, linears, cotangents, chunk_size, out)
     else:
         # The layers' sizes per sample from a forward pass on one sample: if the whole batch
@@ -855,7 +819,7 @@ def _layer_chunk(
     for name, (inp, out) in sizes.items():
         module = model.get_submodule(name)
         if isinstance(module, nn.Conv2d):
-            conv += _conv_per_sample_elements(module, inp, out)
+            conv += conv_per_sample_elements(module, inp, out)
         else:
             linear += 3 * out + 2 * inp
     chunk = n
@@ -877,12 +841,7 @@ def _add_squared_sums(
 ) -> Tensor:
     """One pass of :func:`squared_vjp_sum` over ``x``, added into ``out`` (P,); returns f."""
     named = dict(model.named_parameters())
-    offsets = dict(zip(subset.names, _offsets(subset), strict=True))
-
-    def view(name: str) -> Tensor:
-        start, numel = offsets[name]
-        return out[start : start + numel].view(named[name].shape)
-
+    view = _param_views(model, subset, out)
     f, captured = _traced_forward(model, x, linears)
     u = cotangents(f.detach()) if callable(cotangents) else cotangents
     f, u, traces = _traces_from(model, f, captured, linears, u, backward=False)
@@ -903,6 +862,18 @@ def _add_squared_sums(
     return f
 
 
+def _param_views(model: nn.Module, subset: ParameterSubset, out: Tensor) -> Callable[[str], Tensor]:
+    """name -> the view of the flat ``out`` (P,) holding that parameter, in its shape."""
+    named = dict(model.named_parameters())
+    offsets = dict(zip(subset.names, _offsets(subset), strict=True))
+
+    def view(name: str) -> Tensor:
+        start, numel = offsets[name]
+        return out[start : start + numel].view(named[name].shape)
+
+    return view
+
+
 def _stream_squares(
     traces: list[_LinearTrace],
     f: Tensor,
@@ -917,7 +888,7 @@ def _stream_squares(
     Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta^2) a^2, so sum_k delta^2 (B, out) is
     accumulated and multiplied by a^2 once. Convolution: the per-sample gradient
     sum_t delta_t a_t^T does not factor, so it is formed per k (one batched matmul with the
-    im2col patches, :func:`_conv_weight_grads`), squared and summed; its bias gradient is
+    im2col patches, :func:`conv_weight_grads`), squared and summed; its bias gradient is
     sum_t delta_t.
     """
     if not traces:
@@ -940,7 +911,7 @@ def _stream_squares(
                     d_sq[tr.module] = d * d
                 continue
             if "weight" in kinds:
-                grads_w = _conv_weight_grads(tr.conv, patches[tr.module], d)
+                grads_w = conv_weight_grads(tr.conv, patches[tr.module], d)
                 view(kinds["weight"]).view(tr.conv.out_channels, -1).add_(
                     grads_w.square_().sum(0).to(dtype)
                 )

@@ -59,6 +59,7 @@ exactly by Sherman-Morrison and the matrix determinant lemma.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -69,10 +70,18 @@ from gaussify.curvature.base import check_offset, summed_hessian
 from gaussify.curvature.jacobian import (
     SubsetLike,
     check_eval_mode,
-    conv2d_patches,
     linear_output_traces,
     resolve_subset,
     traced_jvp,
+)
+from gaussify.curvature.kron_grams import (
+    KFACApprox,
+    augment,
+    chain_capture,
+    chain_output_grams,
+    gram,
+    input_gram,
+    layer_output_grads,
 )
 from gaussify.curvature.lastlayer import (
     OutputLinear,
@@ -97,7 +106,6 @@ from gaussify.state import (
 
 __all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
 
-KFACApprox = Literal["expand", "reduce"]
 KronBias = Literal["joint", "separate"]
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 
@@ -128,50 +136,6 @@ def kron_block_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
     tol = factor.shape[-1] * torch.finfo(mat.dtype).eps * eigvals.abs().max()
     eigvals = torch.where(eigvals > tol, eigvals, torch.zeros_like(eigvals))
     return eigvals.to(factor.dtype), eigvecs.to(factor.dtype)
-
-
-def _layer_inputs(module: nn.Module, inp: Tensor, name: str = "") -> Tensor:
-    """A layer's input as ``(N, T, in)``: T weight-sharing locations per data point."""
-    if isinstance(module, nn.Conv2d):
-        # im2col patches in the (channel, kh, kw) order of weight.reshape(out, -1)
-        return conv2d_patches(module, inp, name).transpose(1, 2)
-    if inp.ndim < 2:
-        raise ValueError(
-            f"kron: Linear expects a batched (N, ..., in) input, got shape {tuple(inp.shape)}"
-        )
-    return inp.reshape(inp.shape[0], -1, inp.shape[-1])
-
-
-def _layer_output_grads(module: nn.Module, grad: Tensor) -> Tensor:
-    """Gradients wrt a layer's pre-activation as ``(N, T, out)``, matching :func:`_layer_inputs`."""
-    if isinstance(module, nn.Conv2d):
-        return grad.flatten(2).transpose(1, 2)
-    return grad.reshape(grad.shape[0], -1, grad.shape[-1])
-
-
-def _augment(a: Tensor, use_weight: bool, use_bias: bool) -> Tensor:
-    """The block input ``(N, T, d)``: ``a`` if the weight is in the block, then 1 for the bias."""
-    parts = []
-    if use_weight:
-        parts.append(a)
-    if use_bias:
-        parts.append(a.new_ones(*a.shape[:-1], 1))
-    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-
-
-def _gram(
-    x: Tensor, approx: KFACApprox, reduce_op: Literal["mean", "sum"], out: Tensor | None = None
-) -> Tensor:
-    """``sum x x^T`` over samples of ``x (N, T, k)``: over (n, t) for expand; for reduce over n
-    after averaging (inputs) or summing (output gradients) over t (Eschenhagen et al. 2023).
-    With ``out`` (k, k) the sum is added to it in place (no k x k temporary)."""
-    if approx == "expand":
-        x2 = x.reshape(-1, x.shape[-1])
-    else:
-        x2 = x.mean(1) if reduce_op == "mean" else x.sum(1)
-    if out is None:
-        return x2.mT @ x2
-    return out.addmm_(x2.mT.to(out.dtype), x2.to(out.dtype))
 
 
 # ----------------------------------------------------------------------------- layer bookkeeping
@@ -526,7 +490,7 @@ class KronPosteriorPrecision:
         for b, r1 in zip(self.blocks, self._r1, strict=True):
             assert b.module is not None
             a, delta = traces[b.module]
-            feats = _augment(a.unsqueeze(1), "weight" in b.columns, "bias" in b.columns)
+            feats = augment(a.unsqueeze(1), "weight" in b.columns, "bias" in b.columns)
             s = self._row_variances(b, r1, feats[:, 0])  # (N, out)
             u = delta.to(b.q_out.dtype) @ b.q_out  # (C, N, out)
             if diagonal:
@@ -765,6 +729,10 @@ class KronGGN:
             return r.reshape(self.mc_samples, *f.shape) * self.mc_samples**-0.5
         return self.likelihood.hessian_sqrt(f).permute(2, 0, 1)  # columns of L_n
 
+    def _rows_vectors(self, f: Tensor, y: Tensor) -> Callable[[slice], Tensor]:
+        """rows -> the exact output vectors (K, B, C) of those samples."""
+        return lambda rows: self._output_vectors(f[rows], y[rows])
+
     def update(self, model: nn.Module, x: Tensor, y: Tensor, offset: Tensor | None = None) -> None:
         """Add the factors of one batch ``x (N, ...)``, ``y`` (sums over the batch), in chunks
         of ``chunk_size`` samples if one was given (that bounds the activation memory).
@@ -802,23 +770,14 @@ class KronGGN:
         y: Tensor,
         offset: Tensor | None,
     ) -> None:
-        captured: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in modules}
-
-        def make_hook(path: str):
-            def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-                captured[path].append((inputs[0].detach(), output))
-
-            return hook
-
-        handles = [m.register_forward_hook(make_hook(p)) for p, m in modules.items()]
-        try:
-            # no graph when every layer's output is the model output (no backward pass):
-            # learned on the first chunk, see below
-            with torch.set_grad_enabled(not self._final_only):
-                f = model(x)
-        finally:
-            for h in handles:
-                h.remove()
+        # an nn.Sequential of supported modules: one forward pass without a graph, and the K
+        # output vectors go back together (kron_grams.chain_output_grams)
+        chained = chain_capture(model, list(modules), x)
+        if chained is not None:
+            run, captured = chained
+            f = run.output
+        else:
+            f, captured = self._hooked_forward(model, modules, x)
         for path, calls in captured.items():
             if len(calls) != 1:
                 raise ValueError(
@@ -835,7 +794,7 @@ class KronGGN:
             self._update_chunk(model, modules, x, y, offset)
             return
         for ly, o in zip(self._layers, outs, strict=True):
-            if o is not f and not o.requires_grad:
+            if chained is None and o is not f and not o.requires_grad:
                 raise ValueError(
                     f"kron: the output of module {_display(ly.path)} does not require grad; "
                     "are its parameters frozen or is the model run under torch.no_grad()?"
@@ -857,7 +816,9 @@ class KronGGN:
                 phi = captured[final[0].path][0][0]
                 self._kept = (at, phi) if phi.ndim == 2 else None
             exact = not self.ef and not self.mc_samples
-            vecs = self._output_vectors(at, y) if inner or not exact else None
+            # exact on the chain route: the (K, B, C) vectors per chunk of samples, not all N
+            rowwise = exact and chained is not None
+            vecs = self._output_vectors(at, y) if (inner and not rowwise) or not exact else None
             for ly in final:
                 # The output layer's B is summed in float64 whatever the model's dtype: a
                 # softmax's sum_n Lambda_n has the exact null direction 1 (every Lambda_n 1 = 0;
@@ -870,8 +831,15 @@ class KronGGN:
                 if vecs is None:
                     summed_hessian(self.likelihood, at.to(torch.float64), out=b)
                 else:
-                    _gram(vecs.transpose(0, 1).to(torch.float64), "expand", "sum", out=b)
-            num = 0 if vecs is None or not inner else vecs.shape[0]
+                    gram(vecs.transpose(0, 1).to(torch.float64), "expand", "sum", out=b)
+            num = 0 if vecs is None or not inner or chained is not None else vecs.shape[0]
+            if chained is not None and inner:
+                storage = sum(t.numel() for t in (*self._a.values(), *self._b.values()))
+                source = vecs if vecs is not None else self._rows_vectors(at, y)
+                paths = [ly.path for ly, _ in inner]
+                chain_output_grams(
+                    model, chained[0], paths, source, self.kfac_approx, self._b, None, storage
+                )
             for k in range(num):
                 assert vecs is not None
                 # One backward pass per output vector keeps memory at one batch of
@@ -885,15 +853,39 @@ class KronGGN:
                     materialize_grads=True,
                 )
                 for (ly, _), g in zip(inner, grads, strict=True):
-                    g = _layer_output_grads(modules[ly.path], g)
-                    _gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
+                    g = layer_output_grads(modules[ly.path], g)
+                    gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
             for ly in self._layers:
-                a = _layer_inputs(modules[ly.path], captured[ly.path][0][0], ly.path)
-                a = _augment(a, ly.weight is not None, ly.bias is not None)
-                _gram(a, self.kfac_approx, "mean", out=self._a[ly.path])
-                per_point = a.shape[1] if self.kfac_approx == "expand" else 1
-                self._m[ly.path] += a.shape[0] * per_point
+                self._m[ly.path] += input_gram(
+                    modules[ly.path],
+                    captured[ly.path][0][0],
+                    (ly.path, ly.weight is not None, ly.bias is not None),
+                    self.kfac_approx,
+                    self._a[ly.path],
+                )
         self.num_data += int(f.shape[0])
+
+    def _hooked_forward(
+        self, model: nn.Module, modules: dict[str, nn.Module], x: Tensor
+    ) -> tuple[Tensor, dict[str, list[tuple[Tensor, Tensor]]]]:
+        """f and {path: [(input, output) of each call]} from a forward pass with hooks, with a
+        graph unless every layer's output is the model output (learned on the first chunk)."""
+        captured: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in modules}
+
+        def make_hook(path: str):
+            def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+                captured[path].append((inputs[0].detach(), output))
+
+            return hook
+
+        handles = [m.register_forward_hook(make_hook(p)) for p, m in modules.items()]
+        try:
+            with torch.set_grad_enabled(not self._final_only):
+                f = model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return f, captured
 
     # -- factors
     def kron_factors(self) -> dict[str, tuple[Tensor, Tensor, Tensor]]:

@@ -1,0 +1,156 @@
+"""The Gram sums behind KFAC's Kronecker factors, A = sum a a^T and B = sum g g^T.
+
+A layer's inputs a (im2col patches for a convolution) and the gradients g of the output
+vectors with respect to its output, as (N, T, d) with T weight-sharing locations per data
+point; :func:`gram` sums their outer products over (n, t) ("expand") or over n after
+averaging / summing over t ("reduce", Eschenhagen et al. 2023). For an ``nn.Sequential`` of
+supported modules (:mod:`gaussify.curvature.batched_backward`) the forward pass runs without
+a graph (:func:`chain_capture`) and the K output vectors reach every layer in one batched
+backward pass (:func:`chain_output_grams`) instead of K autograd passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.curvature.batched_backward import (
+    ChainPass,
+    backward_chunk,
+    chain_forward,
+    module_chain,
+    rule_chunk,
+)
+from gaussify.curvature.patches import conv2d_patches
+
+__all__ = [
+    "KFACApprox",
+    "augment",
+    "chain_capture",
+    "chain_output_grams",
+    "gram",
+    "input_gram",
+    "layer_inputs",
+    "layer_output_grads",
+]
+
+KFACApprox = Literal["expand", "reduce"]
+
+
+def layer_inputs(module: nn.Module, inp: Tensor, name: str = "") -> Tensor:
+    """A layer's input as ``(N, T, in)``: T weight-sharing locations per data point."""
+    if isinstance(module, nn.Conv2d):
+        # im2col patches in the (channel, kh, kw) order of weight.reshape(out, -1)
+        return conv2d_patches(module, inp, name).transpose(1, 2)
+    if inp.ndim < 2:
+        raise ValueError(
+            f"kron: Linear expects a batched (N, ..., in) input, got shape {tuple(inp.shape)}"
+        )
+    return inp.reshape(inp.shape[0], -1, inp.shape[-1])
+
+
+def layer_output_grads(module: nn.Module, grad: Tensor) -> Tensor:
+    """Gradients wrt a layer's pre-activation as ``(N, T, out)``, matching :func:`layer_inputs`."""
+    if isinstance(module, nn.Conv2d):
+        return grad.flatten(2).transpose(1, 2)
+    return grad.reshape(grad.shape[0], -1, grad.shape[-1])
+
+
+def augment(a: Tensor, use_weight: bool, use_bias: bool) -> Tensor:
+    """The block input ``(N, T, d)``: ``a`` if the weight is in the block, then 1 for the bias."""
+    parts = []
+    if use_weight:
+        parts.append(a)
+    if use_bias:
+        parts.append(a.new_ones(*a.shape[:-1], 1))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def gram(
+    x: Tensor, approx: KFACApprox, reduce_op: Literal["mean", "sum"], out: Tensor | None = None
+) -> Tensor:
+    """``sum x x^T`` over samples of ``x (N, T, k)``: over (n, t) for expand; for reduce over n
+    after averaging (inputs) or summing (output gradients) over t (Eschenhagen et al. 2023).
+    With ``out`` (k, k) the sum is added to it in place (no k x k temporary)."""
+    if approx == "expand":
+        x2 = x.reshape(-1, x.shape[-1])
+    else:
+        x2 = x.mean(1) if reduce_op == "mean" else x.sum(1)
+    if out is None:
+        return x2.mT @ x2
+    return out.addmm_(x2.mT.to(out.dtype), x2.to(out.dtype))
+
+
+def chain_capture(
+    model: nn.Module, paths: list[str], x: Tensor
+) -> tuple[ChainPass, dict[str, list[tuple[Tensor, Tensor]]]] | None:
+    """(the forward pass without a graph, {path: [(input, output)]}) when ``model`` is a
+    supported chain containing the modules ``paths``, else None (the caller then runs its
+    forward pass with hooks and one autograd pass per output vector)."""
+    chain = module_chain(model)
+    if chain is None:
+        return None
+    names = [n for n, _ in chain]
+    if not set(paths) <= set(names):
+        return None
+    run = chain_forward(chain, x)
+    captured = {}
+    for path in paths:
+        i = run.position(path)
+        captured[path] = [(run.acts[i], run.acts[i + 1])]
+    return run, captured
+
+
+def chain_output_grams(
+    model: nn.Module,
+    run: ChainPass,
+    paths: list[str],
+    vecs: Tensor | Callable[[slice], Tensor],
+    approx: KFACApprox,
+    out: dict[str, Tensor],
+    chunk_size: int | None,
+    storage: int,
+) -> None:
+    """Add sum_{k,n} g g^T of the output vectors ``vecs`` (K, N, C), or ``vecs(rows)`` (K, B, C)
+    formed per chunk of samples, backpropagated to the
+    outputs of the modules ``paths`` into ``out[path]``, with one K-batched backward pass
+    per chunk of samples (``chunk_size``, else the memory rule of
+    :func:`gaussify.curvature.batched_backward.rule_chunk`)."""
+    n = run.output.shape[0]
+    wanted = {run.position(p): p for p in paths}
+    rowwise = callable(vecs)
+    k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
+    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        part = vecs(rows) if callable(vecs) else vecs[:, rows]
+        u = part.transpose(0, 1).to(run.output.dtype)
+        for i, d in backward_chunk(run, u, list(wanted), rows):
+            g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
+            gram(g, approx, "sum", out=out[wanted[i]])
+
+
+def input_gram(
+    module: nn.Module,
+    inp: Tensor,
+    block: tuple[str, bool, bool],
+    approx: KFACApprox,
+    out: Tensor,
+) -> int:
+    """Add A = sum [a, 1] [a, 1]^T of a layer's input ``inp`` (N, ...) into ``out`` and return
+    the number of terms M it adds (N T for "expand", N for "reduce"). ``block``: (module path,
+    weight in the block, bias in the block). Chunks of samples keep the block inputs (a
+    convolution's im2col patches are about kh kw times its input) near the input's size."""
+    path, use_weight, use_bias = block
+    n = inp.shape[0]
+    per_sample = layer_inputs(module, inp[:1], path).numel() + 1
+    rows = max(1, min(n, inp.numel() // per_sample))
+    count = 0
+    for start in range(0, n, rows):
+        a = augment(layer_inputs(module, inp[start : start + rows], path), use_weight, use_bias)
+        gram(a, approx, "mean", out=out)
+        count += a.shape[0] * (a.shape[1] if approx == "expand" else 1)
+    return count

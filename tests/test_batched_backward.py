@@ -1,0 +1,258 @@
+"""The batched backward route (one pass for the K output vectors through an nn.Sequential):
+equal to a float64 brute-force Jacobian GGN and to the per-vector autograd route it replaces,
+for the diagonal and the KFAC factors, exact / Monte Carlo / empirical Fisher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from gaussify.curvature import make_curvature
+from gaussify.curvature.base import middle_factor
+from gaussify.curvature.batched_backward import chain_forward, module_chain, rule_chunk
+from gaussify.likelihoods import get_likelihood
+
+
+class Wrapped(nn.Module):
+    """The same network behind a custom forward: not a chain, so the per-vector route runs."""
+
+    def __init__(self, net: nn.Sequential) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+#: CPU, and CUDA where a GPU is present
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
+
+
+def generator(device: str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return (
+        nn.Sequential(
+            nn.Linear(5, 7),
+            nn.Tanh(),
+            nn.Sequential(nn.Linear(7, 6), nn.ReLU()),
+            nn.Linear(6, 6),
+            nn.GELU(),
+            nn.Dropout(0.3),
+            nn.Linear(6, 4),
+        )
+        .double()
+        .eval()
+    )
+
+
+def cnn(seed: int = 0, groups: int = 2) -> nn.Sequential:
+    torch.manual_seed(seed)
+    bn = nn.BatchNorm2d(4, affine=False)  # parameters of other modules: the generic path
+    bn.running_mean.uniform_(-0.5, 0.5)
+    bn.running_var.uniform_(0.5, 2.0)
+    return (
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.ReLU(),
+            bn,
+            nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=groups),
+            nn.Sigmoid(),
+            nn.MaxPool2d(2, ceil_mode=True),
+            nn.Conv2d(4, 3, 1),
+            nn.ELU(),
+            nn.AvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(3 * 2 * 2, 5),
+        )
+        .double()
+        .eval()
+    )
+
+
+def data(kind: str, n: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = (
+        torch.randn(n, 5, generator=gen, dtype=torch.float64)
+        if kind == "mlp"
+        else torch.randn(n, 2, 7, 7, generator=gen, dtype=torch.float64)
+    )
+    c = 4 if kind == "mlp" else 5
+    return x, torch.randint(0, c, (n,), generator=gen)
+
+
+def brute_diag(model: nn.Module, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """sum_n sum_k (J_n^T L_n[:, k])^2 from per-sample float64 Jacobians (N, C, P)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def f(p: dict, xn: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (xn.unsqueeze(0),)).squeeze(0)
+
+    jac = vmap(jacrev(f), in_dims=(None, 0))(params, x)
+    j = torch.cat([jac[k].flatten(2) for k in params], dim=2)  # (N, C, P)
+    return torch.einsum("ncp,nck->nkp", j, factor).square().sum((0, 1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("flavour", ["exact", "mc", "ef"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_diag_equals_float64_brute_force(kind: str, flavour: str, device: str) -> None:
+    model = (mlp() if kind == "mlp" else cnn()).to(device)
+    assert module_chain(model) is not None
+    x, y = (t.to(device) for t in data(kind))
+    opts = {"ef": flavour == "ef", "mc_samples": 3 if flavour == "mc" else 0}
+    curv = make_curvature("diag", model, "classification", generator=generator(device, 5), **opts)
+    curv.update(model, x, y)
+    lik = get_likelihood("classification")
+    with torch.no_grad():
+        f = model(x)
+    draws = None
+    if flavour == "mc":  # the same draws as the curvature's (same generator, same chunks)
+        twin = make_curvature(
+            "diag", model, "classification", generator=generator(device, 5), **opts
+        )
+        draws = twin._draw(f)
+    factor = middle_factor(lik, f, y, ef=flavour == "ef", draws=draws)
+    expected = brute_diag(model, x, factor)
+    torch.testing.assert_close(curv.ggn_diag, expected, rtol=1e-10, atol=1e-12)
+    assert not curv.ggn_diag.requires_grad  # no autograd graph across batches
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("flavour", ["exact", "mc", "ef"])
+def test_diag_equals_per_vector_route(kind: str, flavour: str) -> None:
+    """The chain route and the per-vector autograd route (the same network behind a custom
+    forward) give the same diagonal, also in chunks of 2 samples (Monte Carlo: same draws)."""
+    net = mlp() if kind == "mlp" else cnn()
+    x, y = data(kind)
+    opts = {"ef": flavour == "ef", "mc_samples": 2 if flavour == "mc" else 0}
+    results = []
+    for model, chunk in [(net, None), (net, 2), (Wrapped(net).eval(), None)]:
+        curv = make_curvature(
+            "diag",
+            model,
+            "classification",
+            generator=torch.Generator().manual_seed(3),
+            chunk_size=chunk,
+            **opts,
+        )
+        curv.update(model, x, y)
+        results.append(curv.ggn_diag)
+    torch.testing.assert_close(results[0], results[2], rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(results[1], results[2], rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("flavour", ["exact", "mc", "ef"])
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_kron_factors_equal_per_vector_route(kind: str, flavour: str, approx: str) -> None:
+    net = mlp() if kind == "mlp" else cnn(groups=1)  # KFAC: groups = 1
+    x, y = data(kind)
+    opts = {"ef": flavour == "ef", "mc_samples": 3 if flavour == "mc" else 0}
+    factors = []
+    for model in (net, Wrapped(net).eval()):
+        curv = make_curvature(
+            "kron",
+            model,
+            "classification",
+            generator=torch.Generator().manual_seed(3),
+            kfac_approx=approx,
+            **opts,
+        )
+        curv.update(model, x, y)
+        factors.append({k.removeprefix("net."): v for k, v in curv.kron_factors().items()})
+    assert factors[0].keys() == factors[1].keys()
+    for path, (a, b, m) in factors[0].items():
+        a2, b2, m2 = factors[1][path]
+        torch.testing.assert_close(a, a2, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(b, b2, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(m, m2)
+
+
+def test_kron_single_sample_is_exact_ggn_block() -> None:
+    """For one data point KFAC's blocks are exact (module docstring of kron): the diagonal of
+    B ⊗ A / M over a linear layer's [W, b] equals the float64 brute-force GGN diagonal."""
+    model = mlp()
+    x, y = data("mlp", n=1)
+    curv = make_curvature("kron", model, "classification")
+    curv.update(model, x, y)
+    lik = get_likelihood("classification")
+    with torch.no_grad():
+        f = model(x)
+    diag = brute_diag(model, x, lik.hessian_sqrt(f))
+    a, b, m = curv.kron_factors()["2.0"]  # Linear(7, 6) inside the nested Sequential
+    block = torch.kron(b, a) / m  # rows (out, [in, 1])
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    start = sum(sizes[: names.index("2.0.weight")])
+    w_diag = diag[start : start + 42].view(6, 7)
+    b_diag = diag[start + 42 : start + 48]
+    kd = block.diagonal().view(6, 8)
+    torch.testing.assert_close(kd[:, :7], w_diag, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(kd[:, 7], b_diag, rtol=1e-10, atol=1e-13)
+
+
+def test_one_batched_pass_instead_of_one_per_vector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K = C = 4 columns of Lambda^{1/2} go back together: no autograd pass per column for
+    a chain of Linear / ReLU / Tanh layers (the per-vector route made K of them)."""
+    calls = []
+    grad = torch.autograd.grad
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return grad(*args, **kwargs)
+
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    conv = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.Sigmoid(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 4)
+    )
+    model, conv = model.double(), conv.double()
+    monkeypatch.setattr(torch.autograd, "grad", counting)
+    for net, kind in ((model, "mlp"), (conv, "cnn")):
+        x, y = data(kind)
+        for structure in ("diag", "kron"):
+            curv = make_curvature(structure, net.eval(), "classification")
+            curv.update(net, x, y)
+    assert calls == []
+
+
+def test_module_chain_refuses_what_it_cannot_propagate() -> None:
+    assert module_chain(Wrapped(mlp())) is None  # custom forward
+    assert module_chain(nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))) is None
+    shared = nn.Linear(3, 3)
+    assert module_chain(nn.Sequential(shared, nn.Tanh(), shared)) is None  # a module twice
+    assert module_chain(nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"))) is None
+    assert module_chain(nn.Sequential(nn.Conv2d(1, 2, 3, padding_mode="reflect"))) is None
+    assert module_chain(nn.Sequential(nn.Dropout(0.5).train())) is None
+    names = [name for name, _ in module_chain(mlp())]
+    assert names == ["0", "1", "2.0", "2.1", "3", "4", "5", "6"]
+
+
+def test_rule_chunk_follows_the_memory_rule() -> None:
+    """Samples per chunk = (1.8 (step + S) - N sum(a) - N K C - S) // (K (pair + max a)),
+    pair = max (a_i + a_{i+1}), with a training step's allocations step = N (sum(a) + pair / 2) + P
+    in elements (activations, their gradients, weight gradients), a the activations the
+    backward pass reads: x, the tanh's output and f here (the tanh's input is shape-only)."""
+    model = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 3))
+    run = chain_forward(list(model.named_children()), torch.randn(50, 10))
+    assert run.acts[1].device.type == "meta" and run.acts[2].device.type == "cpu"
+    acts, pair, params, storage, k = 10 + 20 + 3, 40, 283, 283, 3
+    step = 50 * (acts + pair // 2) + params
+    budget = (18 * (step + storage)) // 10 - 50 * acts - 50 * k * 3 - storage
+    assert rule_chunk(run, model, k, storage) == budget // (k * (pair + 20))
+    budget -= storage  # a diagonal's batch temporary
+    assert rule_chunk(run, model, k, storage, copies=2) == budget // (k * (pair + 20))
+    budget += 50 * k * 3  # the vectors formed per chunk instead: K C more per sample
+    assert rule_chunk(run, model, k, storage, copies=2, rowwise=True) == budget // (
+        k * (pair + 20 + 3)
+    )

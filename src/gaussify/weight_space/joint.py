@@ -11,35 +11,75 @@ whose (N C x N C) covariance comes from the posterior's own structured algebra (
 Function samples draw weights once, theta_s ~ q(theta), and push every input through the same
 draw -- the GLM sample f(x; theta*) + J(x) (theta_s - theta*) or the network f(x; theta_s) --
 so a sample is one smooth function, not independent noise per input.
+
+The functions take any fitted weight-space posterior that satisfies :class:`LinearisedPosterior`
+(``Laplace`` does); this module imports nothing from the families above it, so
+``laplace.py`` -> ``joint.py`` is a one-way arrow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from gaussify.curvature.jacobian import jacobians
+from gaussify.curvature.subset import ParameterSubset
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 
-if TYPE_CHECKING:
-    from gaussify.weight_space.laplace import Laplace
-
-__all__ = ["function_samples", "joint_predictive"]
+__all__ = ["LinearisedPosterior", "function_samples", "joint_predictive"]
 
 SampleMethod = Literal["glm", "nn"]
 
 
-def _noise_var(la: Laplace) -> Tensor | None:
+class LinearisedPosterior(Protocol):
+    """What the joint predictive needs of a fitted weight-space Gaussian q(theta) = N(mu, Sigma)
+    over the ``subset`` of ``model``'s weights, linearised at theta*."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def task(self) -> str: ...
+
+    @property
+    def subset(self) -> ParameterSubset: ...
+
+    @property
+    def mean(self) -> Tensor:
+        """mu, (P,)."""
+        ...
+
+    @property
+    def theta_star(self) -> Tensor:
+        """The linearisation point theta*, (P,)."""
+        ...
+
+    @property
+    def posterior(self) -> Any:
+        """The posterior precision A; ``functional_cov(jac)`` gives J Sigma J^T."""
+        ...
+
+    @property
+    def sigma_noise(self) -> Tensor: ...
+
+    def _require_fit(self) -> None: ...
+
+    def sample(self, num_samples: int = ..., generator: torch.Generator | None = ...) -> Tensor:
+        """(S, P) draws from q(theta)."""
+        ...
+
+
+def _noise_var(la: LinearisedPosterior) -> Tensor | None:
     return la.sigma_noise.square().reshape(-1) if la.task == "regression" else None
 
 
 def joint_predictive(
-    la: Laplace,
+    la: LinearisedPosterior,
     x: Tensor,
     *,
     link: LinkName = "probit",
@@ -81,7 +121,7 @@ def joint_predictive(
 
 
 def function_samples(
-    la: Laplace,
+    la: LinearisedPosterior,
     x: Tensor,
     num_samples: int = 100,
     *,

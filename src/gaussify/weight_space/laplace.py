@@ -75,12 +75,12 @@ from gaussify.tuning import (
 from gaussify.validation import check_count, check_inputs, validated_batches
 from gaussify.weight_space.joint import function_samples, joint_predictive
 from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
+from gaussify.weight_space.laplace_fields import Granularity
 from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
 
 __all__ = ["Laplace"]
 
 Structure = Literal["full", "diag", "kron", "lowrank"]
-Granularity = Literal["scalar", "layer", "diag"]
 STRUCTURES = ("full", "diag", "kron", "lowrank")
 
 

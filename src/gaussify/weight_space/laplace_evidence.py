@@ -13,8 +13,6 @@ that drops an impossible non-MAP correction; a drop warns once per fit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -27,14 +25,12 @@ from gaussify.evidence import (
     log_likelihood_supremum,
     warn_dropped_correction,
 )
-
-if TYPE_CHECKING:
-    from gaussify.weight_space.laplace import Laplace
+from gaussify.weight_space.laplace_fields import LaplaceFields
 
 __all__ = ["fitted_log_evidence", "log_lik_and_supremum"]
 
 
-def log_lik_and_supremum(la: Laplace, sigma: Tensor) -> tuple[Tensor, Tensor | None]:
+def log_lik_and_supremum(la: LaplaceFields, sigma: Tensor) -> tuple[Tensor, Tensor | None]:
     """(tempered log-likelihood at theta*, its supremum L_sup for the correction's rule, or
     None without the correction)."""
     outputs = 1 if la._sse is None else la._sse.numel()
@@ -46,7 +42,9 @@ def log_lik_and_supremum(la: Laplace, sigma: Tensor) -> tuple[Tensor, Tensor | N
     return gaussian_log_likelihood(la._sse, la.num_data, sigma, la.temperature), sup
 
 
-def _eigenbasis(la: Laplace, prior: Tensor, theta: Tensor) -> tuple[Tensor, Tensor, list] | None:
+def _eigenbasis(
+    la: LaplaceFields, prior: Tensor, theta: Tensor
+) -> tuple[Tensor, Tensor, list] | None:
     """The structure's (eigenvalues, prior group per eigenvector, [V^T g, V^T theta] with the
     correction) for ``prior``'s granularity, when it has them without a new factorisation."""
     method = getattr(la._curvature, "spectrum", None)
@@ -58,7 +56,7 @@ def _eigenbasis(la: Laplace, prior: Tensor, theta: Tensor) -> tuple[Tensor, Tens
     return method(groups, [la._grad, theta] if la.correction else [])
 
 
-def fitted_log_evidence(la: Laplace, prior: Tensor, sigma: Tensor) -> EvidenceValue:
+def fitted_log_evidence(la: LaplaceFields, prior: Tensor, sigma: Tensor) -> EvidenceValue:
     """The log evidence of the fitted ``la`` at prior precision ``prior`` and noise ``sigma``
     (float64, differentiable in both; warns where the correction is dropped)."""
     post = la.posterior_at(prior, sigma)  # validates prior and sigma

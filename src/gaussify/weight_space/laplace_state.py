@@ -10,7 +10,7 @@ assigns anything.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gaussify.curvature import make_curvature
 from gaussify.likelihoods import get_likelihood
@@ -30,14 +30,12 @@ from gaussify.state import (
     require_task,
     validate_state,
 )
-
-if TYPE_CHECKING:
-    from gaussify.weight_space.laplace import Laplace
+from gaussify.weight_space.laplace_fields import LaplaceFields
 
 __all__ = ["laplace_state_dict", "load_laplace_state"]
 
 
-def laplace_state_dict(la: Laplace) -> dict[str, Any]:
+def laplace_state_dict(la: LaplaceFields) -> dict[str, Any]:
     """Everything needed to restore the fitted posterior, with its identity."""
     state: dict[str, Any] = {
         "task": la.task,
@@ -63,7 +61,7 @@ def laplace_state_dict(la: Laplace) -> dict[str, Any]:
     return copy_state(state)
 
 
-def _schema(la: Laplace, curvature: Any) -> dict[str, Any]:
+def _schema(la: LaplaceFields, curvature: Any) -> dict[str, Any]:
     dt = la._dtype
     schema: dict[str, Any] = {
         "task": Maybe(Choice((la.task,), "the task of this posterior")),
@@ -89,7 +87,7 @@ def _schema(la: Laplace, curvature: Any) -> dict[str, Any]:
     return schema
 
 
-def load_laplace_state(la: Laplace, state: dict[str, Any], *, strict: bool = True) -> None:
+def load_laplace_state(la: LaplaceFields, state: dict[str, Any], *, strict: bool = True) -> None:
     """Validate ``state`` as a whole (keys, task, structure, subset, shapes, dtypes, NaN,
     theta* and the network's other weights against ``la.model``; ``strict=False`` turns the
     weight mismatch into a warning), then assign. A failed load changes nothing."""

@@ -79,3 +79,12 @@ def test_planted_violation_is_caught(tmp_path: Path, module: str, statement: str
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "BROKEN" in out
+
+
+def test_architecture_diagram_is_the_contract() -> None:
+    """ARCHITECTURE.md's layer diagram lists the contract's layers, top to bottom, one a line."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    block = text.split("## Layers (enforced)", 1)[1].split("```", 2)[1]
+    lines = [line for line in block.splitlines() if line.strip()]
+    drawn = [" | ".join(part.strip() for part in line.split("  ")[0].split("|")) for line in lines]
+    assert drawn == _layers()

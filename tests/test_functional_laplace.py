@@ -236,3 +236,23 @@ def test_bad_inputs_name_the_argument() -> None:
         fl.predict(x, link="logit")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="granularity"):
         fl.optimize_prior(granularity="diag")  # type: ignore[arg-type]
+
+
+def test_evidence_refuses_where_float64_round_off_exceeds_a_nat() -> None:
+    """A tiny prior precision and noise make K / sigma^2 of order 1 / eps: the evidence there
+    is round-off (it varied by hundreds of nats with the BLAS thread count) and must refuse,
+    naming the cause, while a well-conditioned point nearby stays a plain number."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 2, generator=g, dtype=torch.float64)
+    y = 1e-3 * (torch.sin(x[:, :1]) + 0.1 * torch.randn(50, 1, generator=g, dtype=torch.float64))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)
+    ).double()
+    gs.train_map(model, (x, y), "regression", prior_precision=1.0, epochs=50, lr=2e-2, seed=0)
+    la = gs.FunctionalLaplace(model, "regression").fit((x, y))
+    rms = float((y - model(x)).detach().square().mean().sqrt())
+    with pytest.raises(FloatingPointError, match="ill-conditioned for float64"):
+        la.log_marginal_likelihood(torch.tensor(1e-7, dtype=torch.float64), rms)
+    value = la.log_marginal_likelihood(torch.tensor(1.0, dtype=torch.float64), rms)
+    assert torch.isfinite(value)

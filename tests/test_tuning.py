@@ -194,7 +194,7 @@ def test_mlp_scalar_prior_is_the_grid_argmax_from_every_start(
 
 def _dense_optimum(evidence, rms: float) -> tuple[float, float]:
     """Nelder-Mead on ``evidence(prior, sigma)`` from the best point of a coarse 2-D grid
-    (prior 10^-4 .. 10^8 by decades, sigma within half a decade of the residual RMS)."""
+    (prior 10^-8 .. 10^8 by decades, sigma within half a decade of the residual RMS)."""
 
     def neg(h: np.ndarray) -> float:
         try:
@@ -203,12 +203,12 @@ def _dense_optimum(evidence, rms: float) -> tuple[float, float]:
         except (ValueError, FloatingPointError):
             return math.inf
 
-    # priors from 10^-4: below it the kernel (or A) of these small-noise fits has a condition
-    # number near 1 / eps, where a float64 evidence is round-off and a coarse grid can be
-    # fooled by it (seen with 2 BLAS threads: a spurious maximum at 8e-6)
+    # below prior ~1e-4 these small-noise fits have a kernel with a condition number near
+    # 1 / eps: the function-space evidence refuses there (round-off bound, gp.check_round_off)
+    # instead of returning round-off that once fooled this grid (a spurious maximum at 8e-6)
     coarse = [
         np.array([a * math.log(10), math.log(rms) + b * math.log(10)])
-        for a in range(-4, 9)
+        for a in range(-8, 9)
         for b in (-0.5, -0.25, 0.0, 0.25, 0.5)
     ]
     start = min(coarse, key=neg)

@@ -114,6 +114,32 @@ def gp_cholesky(kernel: Tensor, lam_sqrt: Tensor) -> Tensor:
     return chol
 
 
+#: Largest tolerated round-off bound of the float64 log evidence, in nats.
+MAX_ROUND_OFF_NATS = 1.0
+
+
+def check_round_off(v: Tensor, kv: Tensor, z: Tensor, chol: Tensor) -> None:
+    """Refuse an evidence that float64 cannot resolve. The quadratic term v^T K v - ||z||^2
+    subtracts two numbers of size ~ v^T K v, and the Cholesky factor of B = I + L^T K L resolves
+    its eigenvalues near 1 only to eps ||B||; with a tiny prior precision and noise (K / sigma^2
+    of order 1/eps) both errors reach whole nats and the value is round-off, which a tuner or a
+    grid would then chase. The bound eps (|v|^T |K v| + ||z||^2 + NC max_i B_ii) is computed
+    from quantities already at hand; above :data:`MAX_ROUND_OFF_NATS` a FloatingPointError
+    names the cause (tuning treats it as an infeasible point)."""
+    eps = torch.finfo(torch.float64).eps
+    bound = eps * (
+        float((v * kv).abs().sum())
+        + float(z.square().sum())
+        + chol.shape[0] * float(chol.diagonal().square().max())
+    )
+    if bound > MAX_ROUND_OFF_NATS:
+        raise FloatingPointError(
+            f"log evidence: the kernel is too ill-conditioned for float64 at this prior "
+            f"precision and noise (round-off bound {bound:.3g} nats > {MAX_ROUND_OFF_NATS}); "
+            "use a larger prior_precision or sigma_noise"
+        )
+
+
 def gp_log_evidence(
     log_lik: Tensor, residual: Tensor, lam_sqrt: Tensor, prior_mean: Tensor, kernel: Tensor
 ) -> Tensor:
@@ -160,6 +186,7 @@ def gp_evidence(
     quad = (v * kv).sum() - z.square().sum()
     linear = (residual * prior_mean).sum() - 0.5 * (prior_mean * lam_m).sum()
     value = lik + linear + 0.5 * quad - 0.5 * logdet
+    check_round_off(v, kv, z, chol)
     if supremum is None or prior_quad is None:
         return EvidenceValue(value)
     b_inv_w = torch.linalg.solve_triangular(chol.T, z, upper=True).reshape(residual.shape)

@@ -45,7 +45,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +62,7 @@ __all__ = [
     "Number",
     "StateError",
     "StateWarning",
+    "SubsetView",
     "TensorSpec",
     "check_fingerprint",
     "check_network",
@@ -74,6 +75,7 @@ __all__ = [
     "transaction",
     "transactional",
     "validate_module_state",
+    "validate_posterior_state",
     "validate_state",
 ]
 
@@ -440,6 +442,46 @@ def check_network(
     check_fingerprint(
         valid.get("model_fingerprint"), model, owner=owner, exclude=subset, strict=strict
     )
+
+
+class SubsetView(Protocol):
+    """What :func:`validate_posterior_state` reads of a ``ParameterSubset`` (structural, so
+    this module stays below ``curvature``)."""
+
+    names: Sequence[str]
+    num_params: int
+
+    def params(self, model: nn.Module) -> dict[str, Tensor]: ...
+
+    def flatten(self, params: Mapping[str, Tensor]) -> Tensor: ...
+
+
+def validate_posterior_state(
+    state: Any,
+    schema: Mapping[str, Any],
+    *,
+    owner: str,
+    task: str,
+    model: nn.Module,
+    subset: SubsetView,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """The whole-state check of a posterior over ``subset`` of ``model``'s weights:
+    :func:`validate_state` with the named size P = ``subset.num_params``, then
+    :func:`check_network` against the subset's current weights. Returns the validated state;
+    raises :class:`StateError` (or warns, ``strict=False``, for other weights)."""
+    valid = validate_state(state, schema, owner=owner, dims={"P": subset.num_params})
+    check_network(
+        state,
+        valid,
+        owner=owner,
+        task=task,
+        model=model,
+        subset=subset.names,
+        current=subset.flatten(subset.params(model)),
+        strict=strict,
+    )
+    return valid
 
 
 def validate_module_state(

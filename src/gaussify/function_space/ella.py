@@ -56,12 +56,11 @@ from gaussify.state import (
     Integer,
     Nested,
     TensorSpec,
-    check_network,
     copy_state,
     identity,
     identity_schema,
     transactional,
-    validate_state,
+    validate_posterior_state,
 )
 from gaussify.tuning import (
     Optimizer,
@@ -544,18 +543,13 @@ class ELLA:
         whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
         against the model (a mismatch raises; ``strict=False`` warns); a failed load
         changes nothing."""
-        valid = validate_state(
-            state, self._state_schema(), owner="ELLA", dims={"P": self.subset.num_params}
-        )
-        current = self.subset.flatten(self.subset.params(self.model))
-        check_network(
+        valid = validate_posterior_state(
             state,
-            valid,
+            self._state_schema(),
             owner="ELLA",
             task=self.task,
             model=self.model,
-            subset=self.subset.names,
-            current=current,
+            subset=self.subset,
             strict=strict,
         )
         expand_prior(valid["prior_fit"], self.subset)  # the granularity fits this subset

@@ -58,12 +58,11 @@ from gaussify.state import (
     NameGroups,
     StateError,
     TensorSpec,
-    check_network,
     copy_state,
     identity,
     identity_schema,
     transactional,
-    validate_state,
+    validate_posterior_state,
 )
 from gaussify.tuning import (
     Optimizer,
@@ -642,28 +641,20 @@ class FunctionalLaplace:
         whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
         against the model (a mismatch raises; ``strict=False`` warns); a failed load
         changes nothing."""
-        valid = validate_state(
+        valid = validate_posterior_state(
             state,
             self._state_schema(),
             owner="FunctionalLaplace",
-            dims={"P": self.subset.num_params},
+            task=self.task,
+            model=self.model,
+            subset=self.subset,
+            strict=strict,
         )
         if ("groups" in valid) != ("components" in valid):
             raise StateError(
                 "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
                 "come together"
             )
-        current = self.subset.flatten(self.subset.params(self.model))
-        check_network(
-            state,
-            valid,
-            owner="FunctionalLaplace",
-            task=self.task,
-            model=self.model,
-            subset=self.subset.names,
-            current=current,
-            strict=strict,
-        )
         self.prior_precision = self._validate_prior(valid["prior_precision"], valid["f"].dtype)
         self.sigma_noise = valid["sigma_noise"].clone()
         self.theta_star = valid["theta_star"].clone()

@@ -55,12 +55,11 @@ from gaussify.predictive import (
 from gaussify.state import (
     Integer,
     TensorSpec,
-    check_network,
     copy_state,
     identity,
     identity_schema,
     transactional,
-    validate_state,
+    validate_posterior_state,
 )
 from gaussify.validation import check_count, check_data, check_inputs
 
@@ -611,18 +610,13 @@ class SampledLLA:
             "num_data": Integer(1),
             "seed": Integer(0),
         }
-        valid = validate_state(
-            state, schema, owner="SampledLLA", dims={"P": self.subset.num_params}
-        )
-        current = self.subset.flatten(self.subset.params(self.model))
-        check_network(
+        valid = validate_posterior_state(
             state,
-            valid,
+            schema,
             owner="SampledLLA",
             task=self.task,
             model=self.model,
-            subset=self.subset.names,
-            current=current,
+            subset=self.subset,
             strict=strict,
         )
         prior = check_prior(valid["prior_precision"].clone())

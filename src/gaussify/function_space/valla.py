@@ -62,12 +62,11 @@ from gaussify.state import (
     Number,
     StateError,
     TensorSpec,
-    check_network,
     copy_state,
     identity,
     identity_schema,
     transactional,
-    validate_state,
+    validate_posterior_state,
 )
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
 
@@ -902,16 +901,13 @@ class VaLLA:
             "num_data": Integer(1),
             "alpha": Number(positive=False),
         }
-        valid = validate_state(state, schema, owner="VaLLA", dims={"P": self.subset.num_params})
-        current = self.subset.flatten(self.subset.params(self.model))
-        check_network(
+        valid = validate_posterior_state(
             state,
-            valid,
+            schema,
             owner="VaLLA",
             task=self.task,
             model=self.model,
-            subset=self.subset.names,
-            current=current,
+            subset=self.subset,
             strict=strict,
         )
         z = valid["inducing_points"]

@@ -126,11 +126,12 @@ def check_round_off(v: Tensor, kv: Tensor, z: Tensor, chol: Tensor) -> None:
     from quantities already at hand; above :data:`MAX_ROUND_OFF_NATS` a FloatingPointError
     names the cause (tuning treats it as an infeasible point)."""
     eps = torch.finfo(torch.float64).eps
-    bound = eps * (
-        float((v * kv).abs().sum())
-        + float(z.square().sum())
-        + chol.shape[0] * float(chol.diagonal().square().max())
-    )
+    with torch.no_grad():  # a diagnostic: no graph, no grad-to-scalar warning
+        bound = eps * (
+            float((v * kv).abs().sum())
+            + float(z.square().sum())
+            + chol.shape[0] * float(chol.diagonal().square().max())
+        )
     if bound > MAX_ROUND_OFF_NATS:
         raise FloatingPointError(
             f"log evidence: the kernel is too ill-conditioned for float64 at this prior "

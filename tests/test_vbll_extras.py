@@ -468,7 +468,7 @@ def test_heads_share_one_gaussian_layer_plumbing() -> None:
     head = MyHead()
     s0 = min(2.0, 1.0 / d)  # the initial variance; q = N(0, s0 I) for each of the k rows
     kl = 0.5 * k * d * (s0 / 2.0 - 1.0 - math.log(s0 / 2.0))
-    assert float(head.kl()) == pytest.approx(kl, rel=1e-5)
+    assert float(head.kl().detach()) == pytest.approx(kl, rel=1e-5)
     assert torch.equal(head.W().mean, head.W_mean)
     assert head.parameterization == "diagonal" and (head.wishart_scale, head.dof) == (3.0, 4.0)
     assert torch.equal(head.log_prior(), head.noise_cov.log_prior(4.0, 3.0))

@@ -529,10 +529,14 @@ def test_protocols_registry_and_chunking(mlp_kron):
 # ----------------------------------------------------------------------------- errors
 
 
-def test_unsupported_module_is_named():
+def test_module_without_kronecker_form_gets_exact_blocks():
+    # issue 22: kron never refuses a model; a LayerNorm's tensors get exact GGN blocks
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"'1'.*LayerNorm.*full.*diag.*lowrank"):
-        KronGGN(model, Categorical(), select_parameters(model))
+    kron = KronGGN(model, Categorical(), select_parameters(model))
+    kron.update(model, torch.randn(5, 3), torch.randint(0, 2, (5,)))
+    assert sorted(kron.exact_blocks()) == ["1.bias", "1.weight"]
+    assert kron.exact_blocks()["1.weight"].shape == (4, 4)
+    assert kron.posterior(1.0).num_params == 16 + 8 + 10
     # Leaving the LayerNorm out of the subset is fine.
     kron = KronGGN(model, Categorical(), select_parameters(model, ["0", "2"]))
     kron.update(model, torch.randn(5, 3), torch.randint(0, 2, (5,)))
@@ -550,9 +554,8 @@ def test_bad_arguments():
         KronGGN(model, Categorical(), subset, ef=True, mc_samples=3)
     with pytest.raises(TypeError, match="rank"):
         KronGGN(model, Categorical(), subset, rank=3)
-    conv = nn.Conv2d(4, 4, 3, groups=2)
-    with pytest.raises(ValueError, match="groups=2"):
-        KronGGN(conv, Categorical(), select_parameters(conv))
+    with pytest.raises(ValueError, match="exact_full_max"):
+        KronGGN(model, Categorical(), subset, exact_full_max=-1)
     kron = KronGGN(model, Categorical(), subset)
     with pytest.raises(ValueError, match="prior_precision"):
         kron.posterior(-1.0)

@@ -10,6 +10,12 @@ layer"); a per-parameter (P,) prior must be constant within each tensor. When a 
 weight and bias have different priors, the bias column carries an extra ``delta_b - delta_W``,
 which commutes with ``Q_b kron I``: per eigenvector of B it is a rank-one update handled
 exactly by Sherman-Morrison and the matrix determinant lemma.
+
+**Mixed blocks.** A block whose input factor is diagonal (``nn.Embedding``'s token counts)
+has ``q_in = None``, the identity; an exact GGN block of a parameter without a Kronecker form
+(:mod:`gaussify.curvature.kron_exact`) is a block with one output row, ``q_out = [[1]]`` and
+``q_in`` the eigenvectors of the exact block (or None for a diagonal one), so every operation
+below handles all blocks alike.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ class _Block:
 
     index: Tensor
     q_out: Tensor
-    q_in: Tensor
+    q_in: Tensor | None  # None: the identity (a diagonal A: nn.Embedding, diagonal exact blocks)
     eig: Tensor  # (out, d): eigenvalues of scale * G + delta_weight
     shift: Tensor | None = None
     #: the owning module's path and the block's columns, ("weight",), ("bias",) or
@@ -98,6 +104,7 @@ class _RankOne:
 def _rank_one(b: _Block) -> _RankOne | None:
     if b.shift is None:
         return None
+    assert b.q_in is not None  # a bias shift needs a joint weight+bias block
     u = b.q_in[-1]
     ue = u / b.eig
     h = (u * ue).sum(-1)
@@ -159,11 +166,13 @@ class KronPosteriorPrecision:
 
     @staticmethod
     def _to_eigbasis(b: _Block, m: Tensor) -> Tensor:
-        return b.q_out.mT @ m @ b.q_in
+        m = b.q_out.mT @ m
+        return m if b.q_in is None else m @ b.q_in
 
     @staticmethod
     def _from_eigbasis(b: _Block, m: Tensor) -> Tensor:
-        return b.q_out @ m @ b.q_in.mT
+        m = b.q_out @ m
+        return m if b.q_in is None else m @ b.q_in.mT
 
     @staticmethod
     def _bias_column(b: _Block, m: Tensor) -> Tensor:
@@ -184,7 +193,8 @@ class KronPosteriorPrecision:
     def _dense(self, covariance: bool) -> Tensor:
         mats = []
         for b, r1 in zip(self.blocks, self._r1, strict=True):
-            q = torch.kron(b.q_out, b.q_in)
+            q_in = b.q_in if b.q_in is not None else torch.eye(b.eig.shape[-1]).to(b.eig)
+            q = torch.kron(b.q_out.contiguous(), q_in.contiguous())
             if covariance:
                 mats.append(q @ self._inner_cov(b, r1) @ q.mT)
             else:
@@ -273,7 +283,7 @@ class KronPosteriorPrecision:
         ``s_ni = sum_j psi_nj^2 / E_ij - beta_i (ue_i . psi_n)^2``, the variance of the
         eigenbasis row i's coordinates along ``psi_n`` (rows are uncorrelated, also with the
         bias rank-one term, which is per row)."""
-        psi = feats.to(b.q_in.dtype) @ b.q_in  # (N, d)
+        psi = feats.to(b.eig.dtype) if b.q_in is None else feats.to(b.q_in.dtype) @ b.q_in
         s = psi.square() @ b.eig.reciprocal().mT
         if r1 is not None:
             s = s - r1.beta * (psi @ r1.ue.mT).square()
@@ -389,8 +399,11 @@ class KronPosteriorPrecision:
         rank-one terms)."""
         mats = []
         for b, r1 in zip(self.blocks, self._r1, strict=True):
-            diag = b.q_out.square() @ b.eig.reciprocal() @ b.q_in.square().mT
+            diag = b.q_out.square() @ b.eig.reciprocal()
+            if b.q_in is not None:
+                diag = diag @ b.q_in.square().mT
             if r1 is not None:
+                assert b.q_in is not None
                 r = r1.ue @ b.q_in.mT  # (out, d): row i is Q_in K_i u
                 diag = diag - b.q_out.square() @ (r1.beta.unsqueeze(-1) * r.square())
             mats.append(diag)

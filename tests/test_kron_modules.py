@@ -421,3 +421,56 @@ def test_kron_fits_tunes_and_predicts_like_its_brute_force_twin(name):
     torch.testing.assert_close(pred.f_mean, f, rtol=0, atol=1e-10)
     torch.testing.assert_close(pred.f_cov, jac @ sigma @ jac.mT, rtol=1e-7, atol=1e-10)
     assert math.isfinite(float(evidence))
+
+
+# ----------------------------------------------------------------------------- traced predictive
+
+
+def test_traced_predictive_covers_conv2d_and_equals_the_jacobian_route():
+    # issue 17/22: a Conv2d Kronecker block's Jacobian rows are sum_t delta_t f_t^T over its
+    # output locations; the traced route builds them from patches and output gradients and
+    # must equal functional_cov of the brute-force Jacobian (joint weight+bias blocks with
+    # different priors: the rank-one bias terms), and the mean f + J shift.
+    from gaussify.curvature.kron import traced_predictive
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1, stride=2),
+        nn.Tanh(),
+        nn.Conv2d(3, 4, 2, padding_mode="reflect", padding=1),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+    model = model.to(DT).eval()
+    x = torch.randn(8, 2, 6, 6, dtype=DT)
+    y = torch.randint(0, 3, (8,))
+    kron = KronGGN(model, Categorical(), "all")
+    kron.update(model, x, y)
+    prior = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.7, 1.5], dtype=DT)
+    post = kron.posterior(prior, 0.9)
+    shift = torch.randn(post.num_params, dtype=DT) * 0.01
+    out = traced_predictive(post, model, x[:5], kron.subset, shift)
+    assert out is not None  # the convolutions are on the traced route now
+    jac = _jacobian(model, x[:5])
+    with torch.no_grad():
+        f = model(x[:5])
+    torch.testing.assert_close(out[0], f + jac @ shift, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out[1], post.functional_cov(jac), rtol=1e-9, atol=1e-12)
+    diag = traced_predictive(post, model, x[:5], kron.subset, shift, diagonal=True)
+    assert diag is not None
+    torch.testing.assert_close(
+        diag[1].diagonal(dim1=-2, dim2=-1), post.functional_var(jac), rtol=1e-9, atol=1e-12
+    )
+
+
+def test_traced_predictive_declines_modules_off_its_route():
+    # an embedding / exact block is not on the traced route: None, and Laplace then uses the
+    # dense Jacobian route
+    from gaussify.curvature.kron import traced_predictive
+
+    model, x, y = _case("transformer")
+    kron = KronGGN(model, Categorical(), "all")
+    kron.update(model, x, y)
+    post = kron.posterior(1.0)
+    assert not post.traced_blocks()
+    assert traced_predictive(post, model, x, kron.subset, torch.zeros(post.num_params)) is None

@@ -297,16 +297,20 @@ class KronPosteriorPrecision:
         self, traces: dict[str, tuple[Tensor, Tensor]], diagonal: bool = False
     ) -> Tensor:
         """``J Sigma J^T`` ``(N, C, C)`` (its diagonal ``(N, C)`` with ``diagonal``) when
-        every block belongs to a linear layer ``s = W a + b``, from ``traces``: module path ->
-        ``(a (N, in), delta (C, N, out))`` with ``delta_c`` the gradient of ``f_c`` wrt ``s``
+        every block belongs to a linear layer ``s_t = W a_t + b``, from ``traces``: module path
+        -> ``(a (N, in), delta (C, N, out))`` (one location) or ``(a (N, T, in),
+        delta (C, N, T, out))`` (T weight-sharing locations, a convolution's patches), with
+        ``delta_c`` the gradient of ``f_c`` wrt ``s``
         (:func:`gaussify.curvature.jacobian.linear_output_traces`).
 
-        The block's Jacobian rows are rank one, ``J_c = delta_c f^T`` with block features
-        ``f = [a, 1]`` (or ``a``, or ``[1]``, by the block's columns), so in the eigenbasis
-        ``Q_out^T J_c Q_in = u_c psi^T`` with ``u_c = Q_out^T delta_c``, ``psi = Q_in^T f``
-        and ``J_c Sigma J_k^T = sum_i u_ci u_ki s_i``, ``s`` from :meth:`_row_variances`:
-        O(N (d^2 + out d + C out^2 + C^2 out)) per block instead of the dense route's
-        O(N C (out^2 d + out d^2)), and no ``(N, C, P)`` Jacobian. Equal to
+        With one location the block's Jacobian rows are rank one, ``J_c = delta_c f^T`` with
+        block features ``f = [a, 1]`` (or ``a``, or ``[1]``, by the block's columns), so in
+        the eigenbasis ``Q_out^T J_c Q_in = u_c psi^T`` with ``u_c = Q_out^T delta_c``,
+        ``psi = Q_in^T f`` and ``J_c Sigma J_k^T = sum_i u_ci u_ki s_i``, ``s`` from
+        :meth:`_row_variances`: O(N (d^2 + out d + C out^2 + C^2 out)) per block instead of
+        the dense route's O(N C (out^2 d + out d^2)), and no ``(N, C, P)`` Jacobian. With T
+        locations the rotated rows ``sum_t u_ct psi_t^T`` (one batched matmul, ``(N, C, out,
+        d)`` per block) go through :meth:`functional_cov`'s eigenbasis formula. Equal to
         :meth:`functional_cov` of the Jacobian in exact arithmetic.
         """
         if not self.traced_blocks():
@@ -315,6 +319,24 @@ class KronPosteriorPrecision:
         for b, r1 in zip(self.blocks, self._r1, strict=True):
             assert b.module is not None
             a, delta = traces[b.module]
+            if a.ndim == 3 and a.shape[1] != 1:  # T locations: the rotated block Jacobian
+                feats = augment(a, "weight" in b.columns, "bias" in b.columns).to(b.eig.dtype)
+                psi = feats if b.q_in is None else feats @ b.q_in  # (N, T, d)
+                u = delta.to(b.q_out.dtype) @ b.q_out  # (C, N, T, out)
+                jt = torch.einsum("cnti,ntj->ncij", u, psi)  # (N, C, out, d)
+                if diagonal:
+                    out = out + (jt.square() / b.eig).sum((-2, -1))
+                else:
+                    out = out + torch.einsum("ncij,nkij->nck", jt / b.eig, jt)
+                if r1 is not None:
+                    p = (jt * r1.ue).sum(-1)  # (N, C, out)
+                    if diagonal:
+                        out = out - (p.square() * r1.beta).sum(-1)
+                    else:
+                        out = out - torch.einsum("nci,nki->nck", p * r1.beta, p)
+                continue
+            if a.ndim == 3:  # one location given as (N, 1, in), (C, N, 1, out)
+                a, delta = a[:, 0], delta[:, :, 0]
             feats = augment(a.unsqueeze(1), "weight" in b.columns, "bias" in b.columns)
             s = self._row_variances(b, r1, feats[:, 0])  # (N, out)
             u = delta.to(b.q_out.dtype) @ b.q_out  # (C, N, out)

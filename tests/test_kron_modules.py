@@ -20,6 +20,9 @@ from gaussify.likelihoods import Categorical, Gaussian
 
 DT = torch.float64
 
+# the brute-force Jacobians vmap over attention: functorch's (correct) slow batching fallback
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
+
 
 # ----------------------------------------------------------------------------- models
 
@@ -361,7 +364,7 @@ def test_mixed_block_posterior_matches_its_dense_matrix():
     torch.testing.assert_close(
         post.functional_cov(jac), jac @ sigma @ jac.mT, rtol=1e-8, atol=1e-12
     )
-    draws = post.sample(20000, generator=gen)
+    draws = post.sample(8000, generator=gen)
     proj = v @ sigma @ v.mT
     emp = (draws @ v.mT).square().mean(0)
     torch.testing.assert_close(emp, proj.diagonal(), rtol=0.06, atol=0)
@@ -474,3 +477,57 @@ def test_traced_predictive_declines_modules_off_its_route():
     post = kron.posterior(1.0)
     assert not post.traced_blocks()
     assert traced_predictive(post, model, x, kron.subset, torch.zeros(post.num_params)) is None
+
+
+# ----------------------------------------------------------------------------- shared weights
+
+
+def test_tied_weight_gets_exact_blocks_and_the_rest_stays_kronecker():
+    # a weight used by two modules has no Kronecker form; its module's tensors fall back to
+    # exact blocks (one warning), the other blocks are unchanged, all equal the exact GGN's
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+            self.c = nn.Linear(3, 3)
+            self.c.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
+
+    torch.manual_seed(0)
+    model = Tied().to(DT).eval()
+    x = torch.randn(1, 3, dtype=DT)
+    kron = KronGGN(model, Gaussian(), "all")
+    with pytest.warns(UserWarning, match="'a'.*shares its parameter 'a.weight'"):
+        kron.update(model, x, torch.zeros(1, 2, dtype=DT))
+    assert sorted(kron.exact_blocks()) == ["a.bias", "a.weight"]
+    assert sorted(kron.kron_factors()) == ["b", "c"]
+    g_kron, post = _kron_ggn(kron)
+    g = _ggn(model, x, Gaussian())
+    torch.testing.assert_close(
+        g_kron, torch.where(_block_mask(post), g, torch.zeros_like(g)), rtol=0, atol=1e-10
+    )
+
+
+def test_out_proj_alone_is_captured_through_the_functional_attention():
+    # out_proj is applied inside F.multi_head_attention_forward, so its hooks only fire on the
+    # functional forward; with the in-projection outside the subset it must still be captured
+    torch.manual_seed(0)
+    model = _randomise_norms(TinyTransformer(classes=1), torch.Generator().manual_seed(0))
+    model = model.to(DT).eval()
+    names = ["enc.self_attn.out_proj.weight", "enc.self_attn.out_proj.bias"]
+    x = torch.tensor([[3]])
+    kron = KronGGN(model, Gaussian(), names)
+    kron.update(model, x, torch.zeros(1, 1, dtype=DT))
+    g_kron, _ = _kron_ggn(kron)
+    full = _ggn(model, x, Gaussian())
+    offsets = dict.fromkeys(n for n, _ in model.named_parameters())
+    pos = 0
+    for n, p in model.named_parameters():
+        offsets[n] = pos
+        pos += p.numel()
+    start = offsets[names[0]]
+    block = full[start : start + 8 * 8 + 8, start : start + 8 * 8 + 8]
+    torch.testing.assert_close(g_kron, block, rtol=0, atol=1e-8)
+    assert float(block.abs().max()) > 1e-3

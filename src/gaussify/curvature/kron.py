@@ -51,6 +51,7 @@ adapters in :mod:`gaussify.curvature.kron_modules`, the traced GLM predictive in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -59,7 +60,12 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.base import check_offset, summed_hessian
-from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.jacobian import (
+    SubsetLike,
+    _graph_uses,
+    check_eval_mode,
+    resolve_subset,
+)
 from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
@@ -259,6 +265,7 @@ class KronGGN:
         self._m = {
             ly.name: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
         }
+        self._exact_full_max = exact_full_max
         self._exact = ExactBlocks(model, exact, numels, exact_full_max, ref.dtype, ref.device)
         self._dtype = ref.dtype
         self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
@@ -334,14 +341,24 @@ class KronGGN:
             f = run.output
         else:
             f, captured = self._hooked_forward(model, modules, x)
-        for ly in self._layers:
-            calls = captured[ly.name]
-            if len(calls) != 1:
+        bad = self._not_kronecker(model, f, captured, chained is None)
+        if bad:
+            path, why = bad
+            if self.num_data:
                 raise ValueError(
-                    f"kron: module {_display(ly.path)} ({type(modules[ly.path]).__name__}) was "
-                    f"called {len(calls)} times in one forward pass; KFAC needs exactly one call "
-                    "per layer (use structure='full', 'diag' or 'lowrank' for shared modules)"
+                    f"kron: module {_display(path)} ({type(modules[path]).__name__}) {why} in "
+                    "this batch but not in the earlier ones; KFAC's blocks are fixed at the "
+                    "first batch"
                 )
+            warnings.warn(
+                f"kron: module {_display(path)} ({type(modules[path]).__name__}) {why}, so "
+                "its parameters have no Kronecker form; they get exact GGN blocks",
+                stacklevel=4,
+            )
+            self._demote(model, path)
+            modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
+            self._update_chunk(model, modules, x, y, offset)
+            return
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"kron: the model must return outputs f of shape (N, C), got {shape}")
@@ -419,6 +436,50 @@ class KronGGN:
             self._exact.update(model, x, vecs)
         self.num_data += int(f.shape[0])
 
+    def _not_kronecker(
+        self, model: nn.Module, f: Tensor, captured: dict[str, list], hooked: bool
+    ) -> tuple[str, str] | None:
+        """(module path, reason) of the first layer that is not a single linear map in this
+        forward pass: called other than once (a module reused, or bypassed), or (hooked
+        route, first batch) a parameter that enters the graph of f more than once (a weight
+        tied to another module's)."""
+        for ly in self._layers:
+            calls = len(captured[ly.name])
+            if calls != 1:
+                return ly.path, f"was called {calls} times in one forward pass"
+        if not hooked or self.num_data or not isinstance(f, Tensor) or f.grad_fn is None:
+            return None
+        uses = _graph_uses(f)
+        for ly in self._layers:
+            if ly.part:  # the packed in-projection is sliced once per part by design
+                continue
+            for name in (ly.weight, ly.bias):
+                if name is not None and uses.get(id(model.get_parameter(name)), 0) > 1:
+                    return ly.path, f"shares its parameter {name!r} with another use"
+        return None
+
+    def _demote(self, model: nn.Module, path: str) -> None:
+        """Move every block of module ``path`` to exact blocks (before any data was added)."""
+        gone = [ly for ly in self._layers if ly.path == path]
+        names = set(self._exact.names)
+        for ly in gone:
+            names |= {n for n in (ly.weight, ly.bias) if n}
+            for store in (self._a, self._b, self._m):
+                store.pop(ly.name)
+        self._layers = [ly for ly in self._layers if ly.path != path]
+        ordered = [n for n in self.subset.names if n in names]
+        params = self.subset.params(model)
+        ref = params[ordered[0]]
+        self._exact = ExactBlocks(
+            model,
+            ordered,
+            [params[n].numel() for n in ordered],
+            self._exact_full_max,
+            ref.dtype,
+            ref.device,
+        )
+        self._invalidate()
+
     def _approx(self, ly: _Layer) -> KFACApprox:
         """The layer's weight-sharing variant: an Embedding always expands (module doc)."""
         return "expand" if ly.diagonal else self.kfac_approx
@@ -475,7 +536,15 @@ class KronGGN:
                 captured[key].append((inp.detach(), out))
 
         hooked = {ly.path for ly in self._layers if not ly.part}
-        attention = {ly.path: modules[ly.path] for ly in self._layers if ly.part}
+        # every attention owning a block (its in-projection, or out_proj, which only the
+        # functional forward calls as a module)
+        paths = {ly.path for ly in self._layers}
+        attention = {
+            p: m
+            for p, m in model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+            and (p in paths or (f"{p}.out_proj" if p else "out_proj") in paths)
+        }
         handles = [modules[p].register_forward_hook(make_hook(p)) for p in hooked]
         try:
             with torch.set_grad_enabled(not self._final_only), capture_attention(attention, record):

@@ -18,6 +18,7 @@ as between KFAC's layers).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -67,7 +68,9 @@ class ExactBlocks:
         rows = max(1, min(n, (1 << 22) // max(1, c * self.subset.num_params)))
         for start in range(0, n, rows):
             sl = slice(start, start + rows)
-            with without_fused_fastpath():
+            with without_fused_fastpath(), warnings.catch_warnings():
+                # vmap over attention hits functorch's (correct, slower) batching fallback
+                warnings.filterwarnings("ignore", "There is a performance drop because we have")
                 jac = jacobians(model, x[sl], self.subset)  # (B, C, P_exact)
             u = torch.einsum("kbc,bcp->kbp", vecs[:, sl].to(jac.dtype), jac).reshape(
                 -1, jac.shape[-1]

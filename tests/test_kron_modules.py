@@ -531,3 +531,73 @@ def test_out_proj_alone_is_captured_through_the_functional_attention():
     block = full[start : start + 8 * 8 + 8, start : start + 8 * 8 + 8]
     torch.testing.assert_close(g_kron, block, rtol=0, atol=1e-8)
     assert float(block.abs().max()) > 1e-3
+
+
+def test_attention_factors_over_a_sequence_match_a_hand_written_attention():
+    # T > 1: the q/k/v/out_proj factors from the captured projections equal the definition
+    # A = sum_{n,t} [a, 1][a, 1]^T, B = sum_{n,t,c} g g^T with g the gradients of the output
+    # vectors (columns of L_n) wrt each projection's output, computed on an independent
+    # hand-written two-head attention sharing the module's weights
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    model = Attn().to(DT).eval()
+    n, t, e = 3, 5, 4
+    x = torch.randn(n, t, e, dtype=DT)
+    y = torch.randint(0, 3, (n,))
+    kron = KronGGN(model, Categorical(), "all")
+    kron.update(model, x, y)
+    factors = kron.kron_factors()
+    w, b = model.attn.in_proj_weight, model.attn.in_proj_bias
+    proj = [x @ w[i * e : (i + 1) * e].mT + b[i * e : (i + 1) * e] for i in range(3)]
+    proj = [p.detach().requires_grad_(True) for p in proj]
+
+    def heads(z):
+        return z.reshape(n, t, 2, 2).transpose(1, 2)
+
+    q, k, v = (heads(p) for p in proj)
+    att = torch.softmax(q @ k.mT / math.sqrt(2), -1) @ v
+    o = att.transpose(1, 2).reshape(n, t, e)
+    s = model.attn.out_proj(o)
+    f = model.head(s.mean(1))
+    lsqrt = Categorical().hessian_sqrt(f.detach())
+    ones = torch.ones(n, t, 1, dtype=DT)
+    for key, inp, out in [
+        ("attn:q", x, proj[0]),
+        ("attn:k", x, proj[1]),
+        ("attn:v", x, proj[2]),
+        ("attn.out_proj", o.detach(), s),
+    ]:
+        a_ref = torch.cat([inp, ones], -1).reshape(-1, e + 1)
+        b_ref = torch.zeros(e, e, dtype=DT)
+        for c in range(3):
+            (g,) = torch.autograd.grad(f, out, lsqrt[:, :, c], retain_graph=True)
+            b_ref += g.reshape(-1, e).mT @ g.reshape(-1, e)
+        a, bb, m = factors[key]
+        torch.testing.assert_close(a, a_ref.mT @ a_ref, rtol=0, atol=1e-10)
+        torch.testing.assert_close(bb, b_ref, rtol=1e-8, atol=1e-10)
+        assert float(m) == n * t
+        assert float(bb.abs().max()) > 1e-4
+
+
+def test_chunked_and_batched_updates_give_the_same_factors():
+    # the factors and exact blocks are sums over data: chunks and batches do not change them
+    for name in ("transformer", "resnet", "conv1d"):
+        model, x, y = _case(name)
+        whole = KronGGN(model, Categorical(), "all")
+        whole.update(model, x, y)
+        parts = KronGGN(model, Categorical(), "all", chunk_size=5)
+        parts.update(model, x[:7], y[:7])
+        parts.update(model, x[7:], y[7:])
+        sa, sb = whole.state_dict(), parts.state_dict()
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            torch.testing.assert_close(sb[key], sa[key], rtol=1e-12, atol=1e-12)

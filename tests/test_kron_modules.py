@@ -601,3 +601,26 @@ def test_chunked_and_batched_updates_give_the_same_factors():
         assert sa.keys() == sb.keys()
         for key in sa:
             torch.testing.assert_close(sb[key], sa[key], rtol=1e-12, atol=1e-12)
+
+
+def test_a_subclass_that_changes_forward_gets_exact_blocks():
+    # a Linear subclass computing W (2 a) + b is not the map the Linear adapter assumes
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return super().forward(2 * x)
+
+    class Plain(nn.Linear):  # same forward: still a Kronecker block
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Doubled(3, 4), nn.Tanh(), Plain(4, 1)).to(DT).eval()
+    x = torch.randn(1, 3, dtype=DT)
+    kron = KronGGN(model, Gaussian(), "all")
+    kron.update(model, x, torch.zeros(1, 1, dtype=DT))
+    assert sorted(kron.exact_blocks()) == ["0.bias", "0.weight"]
+    assert list(kron.kron_factors()) == ["2"]
+    g_kron, post = _kron_ggn(kron)
+    g = _ggn(model, x, Gaussian())
+    torch.testing.assert_close(
+        g_kron, torch.where(_block_mask(post), g, torch.zeros_like(g)), rtol=0, atol=1e-10
+    )

@@ -144,9 +144,17 @@ def register_kron_adapter(module_type: type, adapter: KronAdapter) -> None:
 
 
 def adapter_for(module: nn.Module) -> KronAdapter | None:
-    for cls in type(module).__mro__:
+    """The adapter of the module's type or its nearest registered base class, provided the
+    module runs that class's own ``forward`` (and, for a convolution, ``_conv_forward``): a
+    subclass that changes the computation (e.g. scales its input) is not the linear map the
+    adapter assumes, and gets exact blocks instead."""
+    kind = type(module)
+    for cls in kind.__mro__:
         if cls in ADAPTERS:
-            return ADAPTERS[cls]
+            same = kind.forward is cls.forward and getattr(kind, "_conv_forward", None) is getattr(
+                cls, "_conv_forward", None
+            )
+            return ADAPTERS[cls] if same else None
     return None
 
 

@@ -300,6 +300,11 @@ def test_embedding_input_factor_is_the_diagonal_token_count():
         g = g.reshape(-1, 3)
         ref += g.T @ g
     torch.testing.assert_close(b, ref, rtol=0, atol=1e-12)
+    # "reduce" would make A a dense (V, V) matrix: an embedding always expands
+    reduced = KronGGN(model, Categorical(), "all", kfac_approx="reduce")
+    reduced.update(model, x, y)
+    for got, want in zip(reduced.kron_factors()["emb"], (a, b, m), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("full_max", [1024, 2])

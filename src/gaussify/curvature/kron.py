@@ -60,12 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.base import check_offset, summed_hessian
-from gaussify.curvature.jacobian import (
-    SubsetLike,
-    _graph_uses,
-    check_eval_mode,
-    resolve_subset,
-)
+from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
 from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
@@ -91,6 +86,7 @@ from gaussify.curvature.kron_posterior import (
     kron_block_eigh,
 )
 from gaussify.curvature.kron_predictive import traced_predictive
+from gaussify.curvature.layer_traces import _graph_uses
 from gaussify.curvature.subset import (
     check_prior,
     expand_prior,

@@ -629,3 +629,32 @@ def test_a_subclass_that_changes_forward_gets_exact_blocks():
     torch.testing.assert_close(
         g_kron, torch.where(_block_mask(post), g, torch.zeros_like(g)), rtol=0, atol=1e-10
     )
+
+
+def test_reduce_refuses_a_sequence_first_layer_and_expand_does_not_care():
+    # a Linear applied to (T, N, in): "expand" sums over every row, so it equals the
+    # batch-first twin; "reduce" would average over the wrong axis and says so
+    class SeqFirst(nn.Module):
+        def __init__(self, lin, head, batch_first):
+            super().__init__()
+            self.lin, self.head, self.batch_first = lin, head, batch_first
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x if self.batch_first else x.transpose(0, 1)))
+            return self.head(h.mean(1 if self.batch_first else 0))
+
+    torch.manual_seed(0)
+    lin, head = nn.Linear(3, 4).to(DT), nn.Linear(4, 2).to(DT)
+    x, y = torch.randn(5, 4, 3, dtype=DT), torch.randint(0, 2, (5,))
+    states = []
+    for batch_first in (True, False):
+        model = SeqFirst(lin, head, batch_first).eval()
+        kron = KronGGN(model, Categorical(), "all")
+        kron.update(model, x, y)
+        states.append(kron.state_dict())
+    for key in states[0]:
+        torch.testing.assert_close(states[1][key], states[0][key], rtol=1e-12, atol=1e-12)
+    model = SeqFirst(lin, head, False).eval()
+    kron = KronGGN(model, Categorical(), "all", kfac_approx="reduce")
+    with pytest.raises(ValueError, match=r"kfac_approx='reduce'.*'lin'.*\(4, 5, 3\).*'expand'"):
+        kron.update(model, x, y)

@@ -427,7 +427,16 @@ class KronGGN:
                     g = self._output_grads(ly, modules[ly.path], g)
                     gram(g, self._approx(ly), "sum", out=self._b[ly.name])
             for ly in self._layers:
-                self._m[ly.name] += self._input_gram(ly, modules[ly.path], captured[ly.name][0][0])
+                inp = captured[ly.name][0][0]
+                if self._approx(ly) == "reduce" and inp.shape[0] != f.shape[0]:
+                    raise ValueError(
+                        f"kfac_approx='reduce' averages each data point's locations, but the "
+                        f"input of module {_display(ly.path)} has shape {tuple(inp.shape)}, "
+                        f"whose first dimension is not the {f.shape[0]} data points (e.g. a "
+                        "sequence-first layer); use kfac_approx='expand', which sums over all "
+                        "rows and does not depend on their order"
+                    )
+                self._m[ly.name] += self._input_gram(ly, modules[ly.path], inp)
         if vecs is not None and self._exact.names:
             self._exact.update(model, x, vecs)
         self.num_data += int(f.shape[0])

@@ -64,11 +64,9 @@ from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_sub
 from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
-    augment,
     chain_capture,
     chain_output_grams,
     gram,
-    input_gram,
 )
 from gaussify.curvature.kron_mha import capture_attention
 from gaussify.curvature.kron_modules import (
@@ -77,8 +75,9 @@ from gaussify.curvature.kron_modules import (
     _display,
     _Layer,
     _subset_offsets,
-    adapter_for,
+    add_input_factor,
     block_index,
+    output_grads,
 )
 from gaussify.curvature.kron_posterior import (
     KronPosteriorPrecision,
@@ -424,7 +423,7 @@ class KronGGN:
                     materialize_grads=True,
                 )
                 for (ly, _), g in zip(inner, grads, strict=True):
-                    g = self._output_grads(ly, modules[ly.path], g)
+                    g = output_grads(ly, modules[ly.path], g)
                     gram(g, self._approx(ly), "sum", out=self._b[ly.name])
             for ly in self._layers:
                 inp = captured[ly.name][0][0]
@@ -436,7 +435,9 @@ class KronGGN:
                         "sequence-first layer); use kfac_approx='expand', which sums over all "
                         "rows and does not depend on their order"
                     )
-                self._m[ly.name] += self._input_gram(ly, modules[ly.path], inp)
+                self._m[ly.name] += add_input_factor(
+                    ly, modules[ly.path], inp, self.kfac_approx, self._a[ly.name]
+                )
         if vecs is not None and self._exact.names:
             self._exact.update(model, x, vecs)
         self.num_data += int(f.shape[0])
@@ -488,39 +489,6 @@ class KronGGN:
     def _approx(self, ly: _Layer) -> KFACApprox:
         """The layer's weight-sharing variant: an Embedding always expands (module doc)."""
         return "expand" if ly.diagonal else self.kfac_approx
-
-    @staticmethod
-    def _output_grads(ly: _Layer, module: nn.Module, grad: Tensor) -> Tensor:
-        """The layer's output gradients as ``(N, T, out)``."""
-        if ly.part:  # an attention's projection, batch first (N, T, E)
-            return grad.reshape(grad.shape[0], -1, grad.shape[-1])
-        adapter = adapter_for(module)
-        assert adapter is not None
-        return adapter.output_grads(module, grad)
-
-    def _input_gram(self, ly: _Layer, module: nn.Module, inp: Tensor) -> int:
-        """Add the layer's input factor into ``A`` and return the number of terms M."""
-        a_sum = self._a[ly.name]
-        if isinstance(module, (nn.Linear, nn.Conv2d)) and not ly.part:
-            block = (ly.path, ly.weight is not None, ly.bias is not None)
-            return input_gram(module, inp, block, self.kfac_approx, a_sum)
-        if ly.diagonal:  # one-hot inputs: A = diag(token counts), padding tokens excluded
-            assert isinstance(module, nn.Embedding)
-            idx = inp.reshape(inp.shape[0], -1)
-            keep = idx.reshape(-1)
-            if module.padding_idx is not None:
-                keep = keep[keep != module.padding_idx]
-            a_sum += torch.bincount(keep, minlength=ly.in_features).to(a_sum)
-            return idx.numel()
-        if ly.part:
-            a = inp.reshape(inp.shape[0], -1, inp.shape[-1])
-        else:
-            adapter = adapter_for(module)
-            assert adapter is not None
-            a = adapter.inputs(module, inp, ly.path)
-        a = augment(a, ly.weight is not None, ly.bias is not None)
-        gram(a, self.kfac_approx, "mean", out=a_sum)
-        return a.shape[0] * (a.shape[1] if self.kfac_approx == "expand" else 1)
 
     def _hooked_forward(
         self, model: nn.Module, modules: dict[str, nn.Module], x: Tensor

@@ -37,7 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gaussify.curvature.kron_grams import layer_inputs, layer_output_grads
+from gaussify.curvature.kron_grams import (
+    KFACApprox,
+    augment,
+    gram,
+    input_gram,
+    layer_inputs,
+    layer_output_grads,
+)
 from gaussify.curvature.subset import ParameterSubset
 
 __all__ = ["ADAPTERS", "KronAdapter", "conv_patches", "register_kron_adapter"]
@@ -290,3 +297,44 @@ def block_index(
         else:
             cols.append(off + ly.bias_row + rows)
     return torch.cat(cols, dim=-1).to(device)
+
+
+# ----------------------------------------------------------------------------- factor terms
+
+
+def output_grads(ly: _Layer, module: nn.Module, grad: Tensor) -> Tensor:
+    """The layer's output gradients as ``(N, T, out)``."""
+    if ly.part:  # an attention's projection, batch first (N, T, E)
+        return grad.reshape(grad.shape[0], -1, grad.shape[-1])
+    adapter = adapter_for(module)
+    assert adapter is not None
+    return adapter.output_grads(module, grad)
+
+
+def add_input_factor(
+    ly: _Layer, module: nn.Module, inp: Tensor, approx: KFACApprox, a_sum: Tensor
+) -> int:
+    """Add the layer's input factor A (its sum over the batch ``inp``) into ``a_sum`` and
+    return the number of terms M it adds: ``sum [a, 1][a, 1]^T`` over the layer's inputs
+    (the gram of :mod:`gaussify.curvature.kron_grams`), or for an Embedding the token counts
+    (padding tokens excluded), always "expand"."""
+    if isinstance(module, (nn.Linear, nn.Conv2d)) and not ly.part:
+        block = (ly.path, ly.weight is not None, ly.bias is not None)
+        return input_gram(module, inp, block, approx, a_sum)
+    if ly.diagonal:  # one-hot inputs: A = diag(token counts)
+        assert isinstance(module, nn.Embedding)
+        idx = inp.reshape(inp.shape[0], -1)
+        keep = idx.reshape(-1)
+        if module.padding_idx is not None:
+            keep = keep[keep != module.padding_idx]
+        a_sum += torch.bincount(keep, minlength=ly.in_features).to(a_sum)
+        return idx.numel()
+    if ly.part:
+        a = inp.reshape(inp.shape[0], -1, inp.shape[-1])
+    else:
+        adapter = adapter_for(module)
+        assert adapter is not None
+        a = adapter.inputs(module, inp, ly.path)
+    a = augment(a, ly.weight is not None, ly.bias is not None)
+    gram(a, approx, "mean", out=a_sum)
+    return a.shape[0] * (a.shape[1] if approx == "expand" else 1)

@@ -658,3 +658,29 @@ def test_reduce_refuses_a_sequence_first_layer_and_expand_does_not_care():
     kron = KronGGN(model, Categorical(), "all", kfac_approx="reduce")
     with pytest.raises(ValueError, match=r"kfac_approx='reduce'.*'lin'.*\(4, 5, 3\).*'expand'"):
         kron.update(model, x, y)
+
+
+@pytest.mark.parametrize("name", ["transformer", "resnet", "conv1d"])
+def test_affine_norm_blocks_come_from_output_gradients(name, monkeypatch):
+    # LayerNorm / BatchNorm2d (eval) / GroupNorm: v^T J_w = sum (g * xhat), v^T J_b = sum g
+    # over the layer's positions, no per-sample Jacobian (the generic route is switched off
+    # here); the blocks equal the brute-force GGN's
+    import gaussify.curvature.kron_exact as kron_exact
+
+    model, x, y = _case(name)
+    x, y = x[:6], y[:6]
+    kron = KronGGN(model, Categorical(), "all", exact_full_max=4)
+    if name != "resnet":  # the resnet's grouped conv still needs the generic route
+        monkeypatch.setattr(kron_exact, "jacobians", None)
+    kron.update(model, x, y)
+    g = _ggn(model, x, Categorical())
+    offsets, pos = {}, 0
+    for pname, p in model.named_parameters():
+        offsets[pname] = slice(pos, pos + p.numel())
+        pos += p.numel()
+    norms = [n for n in kron.exact_blocks() if "norm" in n or "bn" in n]
+    assert norms
+    for pname in norms:
+        block, ref = kron.exact_blocks()[pname], g[offsets[pname], offsets[pname]]
+        ref = ref.diagonal() if block.ndim == 1 else ref
+        torch.testing.assert_close(block, ref, rtol=1e-10, atol=1e-10)

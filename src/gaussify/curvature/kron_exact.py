@@ -9,7 +9,10 @@ exact GGN block (Immer thesis eq. 2.24)::
 
 with ``v_kn`` the same output vectors as KFAC's B factors (the columns of ``L_n``, ``Lambda_n =
 L_n L_n^T``, for the exact GGN; sampled or observed residuals for Monte-Carlo KFAC or the
-empirical Fisher), from the per-sample Jacobians of those tensors alone
+empirical Fisher). An affine norm layer (``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.BatchNorm*``
+in eval mode: output ``xhat * w + b`` per sample) gets its rows from its output gradients ``g``
+(``v^T J_w = sum g * xhat``, ``v^T J_b = sum g`` over its positions), one forward and K backward
+passes; every other tensor from the per-sample Jacobians of those tensors alone
 (:func:`gaussify.curvature.jacobian.jacobians`). A tensor with at most ``full_max`` entries
 (default :data:`EXACT_FULL_MAX` = 1024, a 8 MB float64 block) keeps the full ``(k, k)`` block;
 a larger one keeps its diagonal. Blocks of different tensors are independent (block-diagonal,

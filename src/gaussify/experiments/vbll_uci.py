@@ -48,7 +48,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -58,8 +58,17 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from gaussify import data as gdata
 from gaussify import metrics
-from gaussify.cli_args import ArgumentParser, positive_int
-from gaussify.experiments._report import add_progress_argument, check_outputs, report, run_main
+from gaussify.cli_args import positive_int
+from gaussify.experiments._report import run_main
+from gaussify.experiments._runner import (
+    choose_datasets,
+    cli,
+    fmt,
+    mean_se,
+    paper_table,
+    seed_list,
+    torch_threads,
+)
 from gaussify.last_layer import VBLLRegression
 from gaussify.last_layer.base import VBLLHead
 from gaussify.weight_space import Laplace
@@ -113,83 +122,8 @@ DEFAULT_BATCH = 32
 #: data-set names (the paper's "Wine" is wine_red; Energy is not shipped). The paper prints
 #: LDGBLL's Energy NLL as 4.80 ± 0.18, evidently a copy of a neighbouring cell; transcribed as
 #: printed.
-_T2_ROWS = ("VBLL", "GBLL", "LDGBLL", "MAP", "RBF GP", "VBLL BNN", "BNN", "Ensemble", "Dropout")
-_T2_ROWS = (*_T2_ROWS, "SWAG")
-_T2: dict[str, list[tuple[float, float, float, float]]] = {
-    # dataset: one (nll, nll_se, rmse, rmse_se) per row of _T2_ROWS
-    "boston": [
-        (1.80, 0.04, 1.42, 0.05),
-        (2.90, 0.05, 4.19, 0.17),
-        (2.60, 0.04, 3.38, 0.18),
-        (2.60, 0.07, 3.02, 0.17),
-        (2.41, 0.06, 2.83, 0.16),
-        (1.78, 0.09, 1.37, 0.11),
-        (2.39, 0.04, 2.74, 0.16),
-        (2.48, 0.09, 2.79, 0.17),
-        (2.36, 0.04, 2.78, 0.16),
-        (2.64, 0.16, 3.08, 0.35),
-    ],
-    "concrete": [
-        (2.49, 0.07, 2.76, 0.12),
-        (3.09, 0.03, 5.01, 0.18),
-        (2.97, 0.03, 4.80, 0.18),
-        (3.04, 0.04, 4.75, 0.12),
-        (3.08, 0.02, 5.62, 0.13),
-        (2.61, 0.12, 2.92, 0.25),
-        (2.97, 0.03, 4.80, 0.13),
-        (3.04, 0.08, 4.55, 0.12),
-        (2.90, 0.02, 4.45, 0.11),
-        (3.19, 0.05, 5.50, 0.16),
-    ],
-    "energy": [
-        (0.69, 0.07, 0.45, 0.03),
-        (0.69, 0.03, 0.46, 0.02),
-        (4.80, 0.18, 0.50, 0.02),
-        (1.44, 0.09, 0.53, 0.01),
-        (0.66, 0.04, 0.47, 0.01),
-        (0.57, 0.09, 0.39, 0.03),
-        (0.63, 0.05, 0.43, 0.01),
-        (0.58, 0.07, 0.41, 0.02),
-        (1.33, 0.00, 0.53, 0.01),
-        (1.23, 0.08, 0.93, 0.09),
-    ],
-    "power": [
-        (2.67, 0.01, 3.48, 0.01),
-        (2.77, 0.01, 3.85, 0.03),
-        (2.77, 0.01, 3.85, 0.04),
-        (2.77, 0.01, 3.81, 0.04),
-        (2.76, 0.01, 3.72, 0.04),
-        (2.73, 0.02, 3.70, 0.07),
-        (2.77, 0.01, 3.86, 0.04),
-        (2.70, 0.01, 3.59, 0.04),
-        (2.80, 0.01, 3.90, 0.04),
-        (2.77, 0.02, 3.85, 0.05),
-    ],
-    "wine_red": [
-        (0.45, 0.02, 0.37, 0.01),
-        (1.02, 0.01, 0.64, 0.01),
-        (1.02, 0.01, 0.64, 0.01),
-        (0.96, 0.01, 0.63, 0.01),
-        (0.45, 0.01, 0.56, 0.05),
-        (0.67, 0.02, 0.46, 0.01),
-        (0.95, 0.01, 0.63, 0.01),
-        (0.95, 0.01, 0.63, 0.01),
-        (0.93, 0.01, 0.61, 0.01),
-        (0.96, 0.03, 0.63, 0.01),
-    ],
-    "yacht": [
-        (1.71, 0.29, 0.83, 0.07),
-        (1.67, 0.11, 1.09, 0.09),
-        (1.13, 0.06, 0.75, 0.10),
-        (5.14, 1.62, 0.94, 0.09),
-        (0.17, 0.03, 0.40, 0.03),
-        (1.96, 0.22, 1.03, 0.13),
-        (1.43, 0.17, 1.10, 0.11),
-        (0.35, 0.07, 0.83, 0.08),
-        (1.82, 0.01, 1.21, 0.13),
-        (1.11, 0.05, 1.13, 0.20),
-    ],
-}
+_T2 = paper_table("harrison2024_table2")  # per data set one (nll, se, rmse, se) per row
+_T2_ROWS = tuple(_T2.pop("_rows"))
 PAPER_TABLE2: dict[str, dict[str, dict[str, tuple[float, float]]]] = {
     name: {
         row: {"nll": (v[0], v[1]), "rmse": (v[2], v[3])}
@@ -543,21 +477,7 @@ class VBLLUCIResults:
         return "\n".join(lines)
 
 
-def _fmt(mean: float | None, se: float | None, digits: int = 2) -> str:
-    if mean is None:
-        return "–"
-    if se is None or not math.isfinite(se):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {se:.{digits}f}"
-
-
-def _mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    arr = np.asarray(values, dtype=np.float64)
-    if len(arr) < 2:
-        return float(arr.mean()), None
-    return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(len(arr)))
+_fmt = partial(fmt, digits=2)
 
 
 def unstandardize_nll(nll_std: float, y_std: float) -> float:
@@ -740,7 +660,7 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
                 "num_seeds": len(sel),
             }
             for key in ("test_nll", "test_rmse", "test_nll_model_units", "selected_epochs"):
-                mean, se = _mean_se([r[key] for r in sel])
+                mean, se = mean_se([r[key] for r in sel], single=None)
                 row[f"{key}_mean"], row[f"{key}_se"] = mean, se
             row["paper_row"] = PAPER_ROW[method]
             row["paper"] = PAPER_TABLE2.get(name, {}).get(PAPER_ROW[method])
@@ -777,20 +697,14 @@ def run(
     the run (restored after). Deterministic given these arguments.
     """
     start = time.perf_counter()
-    available = set(gdata.list())
-    if datasets is None:
-        chosen = [d for d in (QUICK_DATASETS if quick else DATASETS) if d in available]
-    else:
+    chosen = choose_datasets(None, DATASETS, QUICK_DATASETS, quick=quick)
+    if datasets is not None:
+        available = set(gdata.list())
         chosen = list(datasets)
         unknown = [d for d in chosen if d not in available or gdata.info(d).task != "regression"]
         if unknown:
             raise ValueError(f"datasets: not shipped UCI regression sets: {unknown}")
-    if isinstance(seeds, int):
-        if seeds <= 0:
-            raise ValueError(f"seeds: must be a positive integer, got {seeds}")
-        seed_list = list(range(2 if quick else seeds))
-    else:
-        seed_list = [int(s) for s in seeds]
+    seed_ids = seed_list(seeds, 2, quick=quick, name="seeds")
     if targets not in ("standardized", "centered"):
         raise ValueError(f"targets: expected 'standardized' or 'centered', got {targets!r}")
     if quick:
@@ -804,7 +718,7 @@ def run(
         epochs = {d: max_epochs.get(d, MAX_EPOCHS[d]) for d in chosen}
     cfg = Config(
         datasets=chosen,
-        seeds=seed_list,
+        seeds=seed_ids,
         targets=targets,
         max_epochs=epochs,
         batch_size={d: BATCH_SIZE.get(d, DEFAULT_BATCH) for d in chosen},
@@ -822,23 +736,19 @@ def run(
         bar = tqdm(desc="VBLL UCI", unit="epoch")
     records: list[dict[str, Any]] = []
     kept: dict[tuple[str, int, str], Any] = {}
-    threads = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        for name in chosen:
+    with torch_threads(num_threads):
+        try:
+            for name in chosen:
+                if bar is not None:
+                    bar.set_postfix(dataset=name)
+                recs, models = _run_dataset(name, cfg, keep_models, bar)
+                records += recs
+                kept.update(models)
+        finally:
             if bar is not None:
-                bar.set_postfix(dataset=name)
-            recs, models = _run_dataset(name, cfg, keep_models, bar)
-            records += recs
-            kept.update(models)
-    finally:
-        torch.set_num_threads(threads)
-        if bar is not None:
-            bar.close()
+                bar.close()
     notes = [
-        f"{len(seed_list)} seeds (paper: 20); splits gaussify.data.load(name, seed) "
-        "0.72/0.18/0.10.",
+        f"{len(seed_ids)} seeds (paper: 20); splits gaussify.data.load(name, seed) 0.72/0.18/0.10.",
         f"targets {targets}: NLL and RMSE reported in original units "
         "(standardised: NLL + log y_std, RMSE * y_std); the paper centres without rescaling.",
         "epochs: validation NLL every "
@@ -863,36 +773,21 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m gaussify.experiments.vbll_uci [options]``; prints the table (ours vs
     the paper's Table 2) and writes JSON with ``--output``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment vbll_uci",
-        description="Harrison et al. (2024) Table 2: UCI regression with VBLL, MAP and "
-        "last-layer Laplace (App. G.2 protocol).",
-    )
-    parser.add_argument("--datasets", nargs="+", default=None, help="default: all shipped")
-    parser.add_argument("--seeds", type=positive_int, default=20, help="number of seeds (0..n-1)")
-    parser.add_argument("--quick", action="store_true", help="yacht, 2 seeds, 40 epochs")
-    parser.add_argument("--targets", choices=("standardized", "centered"), default="standardized")
-    parser.add_argument("--max-epochs", type=positive_int, default=None, help="default: Table 5")
-    parser.add_argument("--patience", type=positive_int, default=None, help="validation checks")
-    parser.add_argument(
-        "--max-train", type=positive_int, default=None, help="subsample training rows"
-    )
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        datasets=args.datasets,
-        seeds=args.seeds,
-        quick=args.quick,
-        progress=args.progress,
-        targets=args.targets,
-        max_epochs=args.max_epochs,
-        patience=args.patience,
-        max_train=args.max_train,
+    options = [
+        ("--datasets", dict(nargs="+", default=None, help="default: all shipped")),
+        ("--seeds", dict(type=positive_int, default=20, help="number of seeds (0..n-1)")),
+        ("--quick", dict(action="store_true", help="yacht, 2 seeds, 40 epochs")),
+        ("--targets", dict(choices=("standardized", "centered"), default="standardized")),
+        ("--max-epochs", dict(type=positive_int, default=None, help="default: Table 5")),
+        ("--patience", dict(type=positive_int, default=None, help="validation checks")),
+        ("--max-train", dict(type=positive_int, default=None, help="subsample training rows")),
+    ]
+    description = (
+        "Harrison et al. (2024) Table 2: UCI regression with VBLL, MAP and last-layer Laplace "
+        "(App. G.2 protocol)."
     )
     title = "Test NLL / RMSE (original units), mean ± s.e. over seeds; paper Table 2 beside"
-    return report(res, args, title=title)
+    return cli(argv, "vbll_uci", description, options, run, title=title)
 
 
 if __name__ == "__main__":

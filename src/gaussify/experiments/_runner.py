@@ -165,9 +165,10 @@ def cli(
     options: Sequence[tuple[str, dict[str, Any]]],
     run: Callable[..., Any],
     *,
-    title: str | None = None,
+    title: str | Callable[[Any], str] | None = None,
     plot: Callable[[Any, Path], Path] | None = None,
     figure_help: str | None = None,
+    pass_figure: bool = False,
     progress: bool = True,
     rename: dict[str, str] | None = None,
     extra: dict[str, Any] | None = None,
@@ -176,8 +177,10 @@ def cli(
     (``(flag, add_argument keywords)`` in help order), then ``--output`` (and ``--figure``
     when ``figure_help``) and ``--progress``; the outputs are checked before any work; each
     option goes to ``run`` under its destination name (``rename`` maps a destination to
-    another keyword; ``extra`` adds fixed keywords), and the result is reported
-    (:func:`~gaussify.experiments._report.report`: table, notes, runtime, figure, JSON)."""
+    another keyword; ``extra`` adds fixed keywords; ``pass_figure``: ``run`` draws the
+    figure itself and gets ``figure=``), and the result is reported
+    (:func:`~gaussify.experiments._report.report`: ``title``, or ``title(result)``, the table,
+    notes, runtime, figure, JSON)."""
     parser = experiment_parser(name, description)
     dests = [parser.add_argument(flag, **kw).dest for flag, kw in options]
     if figure_help is None:
@@ -191,5 +194,8 @@ def cli(
     check_outputs(args)
     rename = rename or {}
     kwargs = {rename.get(d, d): getattr(args, d) for d in dests}
+    if pass_figure:
+        kwargs["figure"] = args.figure
     result = run(**kwargs, **(extra or {}))
-    return report(result, args, title=title, plot=plot)
+    heading = title(result) if callable(title) else title
+    return report(result, args, title=heading, plot=plot)

@@ -376,7 +376,25 @@ class ClassificationHead(VBLLHead):
         return -self.predictive(phi).probs.amax(-1)
 
 
-class VBLLOutput:
+class VBLLNames:
+    """The ``vbll`` package's names of an output's methods (``train_loss_fn``,
+    ``val_loss_fn``), shared by :class:`VBLLOutput` and the BNN output."""
+
+    train_loss: Callable[[Tensor], Tensor]
+    val_loss: Callable[[Tensor], Tensor]
+
+    @property
+    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`train_loss`."""
+        return self.train_loss
+
+    @property
+    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`val_loss`."""
+        return self.val_loss
+
+
+class VBLLOutput(VBLLNames):
     """The result of ``head(phi)``: the predictive and the training loss at these features.
 
     ``predictive`` (computed on first access), ``train_loss(y)`` (``train_loss_fn`` is the
@@ -414,16 +432,6 @@ class VBLLOutput:
 
     def elbo_terms(self, y: Tensor) -> dict[str, Tensor]:
         return self.head.elbo_terms(self.features, y)
-
-    @property
-    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        """The ``vbll`` package's name for :meth:`train_loss`."""
-        return self.train_loss
-
-    @property
-    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        """The ``vbll`` package's name for :meth:`val_loss`."""
-        return self.val_loss
 
     @property
     def ood_scores(self) -> Tensor:

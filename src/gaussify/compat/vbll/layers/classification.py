@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, distributions, nn
 
-from gaussify.compat.vbll.layers.regression import VBLLReturn, _rows, _rows_parameters
+from gaussify.compat.vbll.layers.regression import (
+    VBLLReturn,
+    _GammaNoise,
+    _rows,
+    _weight_rows,
+    wishart_term,
+)
 from gaussify.compat.vbll.rows import (
     Normal,
     Rows,
@@ -43,6 +49,12 @@ def _check_bound(value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"softmax_bound: expected one of {list(allowed)}, got {value!r}")
     return value
+
+
+def _kn_alpha(module: nn.Module, softmax_bound: str, kn_alpha: float | None) -> None:
+    """The learnable ``alpha`` of the reduced Knowles-Minka bound (0.1 unless given)."""
+    if softmax_bound == "reduced_kn":
+        module.alpha = nn.Parameter(torch.ones(1) * (0.1 if kn_alpha is None else kn_alpha))
 
 
 class _Categorical(nn.Module):
@@ -103,12 +115,9 @@ class DiscClassification(_Categorical):
         self.prior_scale = prior_scale * 2.0 / in_features
         self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
         self.noise_logdiag = nn.Parameter(torch.randn(out_features) - 1)
-        self.W_mean = nn.Parameter(
-            torch.randn(out_features, in_features) * math.sqrt(2.0 / in_features)
-        )
-        logdiag = 1e-3 * torch.randn(out_features, in_features) - math.log(in_features)
-        shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, 1e-3 / in_features, cov_rank)
+        shape, std = (out_features, in_features), math.sqrt(2.0 / in_features)
+        logdiag = (1e-3, -math.log(in_features))
+        _weight_rows(self, "W", parameterization, shape, std, logdiag, 1e-3 / in_features, cov_rank)
         self.return_ood = return_ood
 
     def W(self) -> Rows:
@@ -135,9 +144,7 @@ class DiscClassification(_Categorical):
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise()
-            wishart = (
-                self.dof * noise.logdet_precision - 0.5 * self.wishart_scale * noise.trace_precision
-            )
+            wishart = wishart_term(self, noise)
             reg = wishart - gaussian_kl(self.W(), self.prior_scale)
             return -(torch.mean(self.softmax_bound(x, y)) + self.regularization_weight * reg)
 
@@ -156,7 +163,7 @@ def _semi_mc_bound(z: Normal, y: Tensor) -> Tensor:
     return _picked(z.mean, y) - torch.logsumexp(z.mean + 0.5 * z.var, dim=-1)
 
 
-class tDiscClassification(_Categorical):
+class tDiscClassification(_GammaNoise, _Categorical):
     """Student-t VBLL classification (vbll ``tDiscClassification``): a Gamma posterior on each
     logit's noise precision, prior Gamma(dof, 1 / wishart_scale); W prior variance
     2 prior_scale / (E[sigma^2] in_features) with E[sigma^2] = rate / (dof - 1)."""
@@ -178,35 +185,19 @@ class tDiscClassification(_Categorical):
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.bound = _check_bound(softmax_bound, ("semimontecarlo", "reduced_kn"))
-        self.wishart_scale = wishart_scale
         self.regularization_weight = regularization_weight
-        self.prior_dof = dof
-        self.prior_rate = 1.0 / wishart_scale
+        self._init_gamma_noise(out_features, dof, wishart_scale)
         exp_cov = self.prior_rate / (dof - 1)
         self.prior_scale = prior_scale * 2.0 / (exp_cov * in_features)
-        self.noise_log_dof = nn.Parameter(torch.ones(out_features) * math.log(dof))
-        self.noise_log_rate = nn.Parameter(torch.ones(out_features) * math.log(self.prior_rate))
-        self.W_mean = nn.Parameter(
-            torch.randn(out_features, in_features) * math.sqrt(2.0 / in_features)
-        )
-        logdiag = 1e-3 * torch.randn(out_features, in_features) - 0.5 * math.log(in_features)
-        shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, 1e-3, None)
-        if softmax_bound == "reduced_kn":
-            self.alpha = nn.Parameter(torch.ones(1) * (0.1 if kn_alpha is None else kn_alpha))
+        shape, std = (out_features, in_features), math.sqrt(2.0 / in_features)
+        logdiag = (1e-3, -0.5 * math.log(in_features))
+        _weight_rows(self, "W", parameterization, shape, std, logdiag, 1e-3, None)
+        _kn_alpha(self, softmax_bound, kn_alpha)
         self.return_ood = return_ood
 
     @property
     def W(self) -> Rows:
         return _rows(self, "W", self.parameterization)
-
-    @property
-    def noise(self) -> distributions.Gamma:
-        return distributions.Gamma(self.noise_log_dof.exp(), self.noise_log_rate.exp())
-
-    @property
-    def noise_prior(self) -> distributions.Gamma:
-        return distributions.Gamma(self.prior_dof, self.prior_rate)
 
     def softmax_bound(self, x: Tensor, y: Tensor) -> Tensor:
         if self.bound == "semimontecarlo":
@@ -276,8 +267,7 @@ class HetClassification(_Categorical):
             self.M_offdiag = nn.Parameter(
                 1e-3 * torch.randn(*square) / in_features + 0.5 * math.log(noise_prior_scale)
             )
-        if softmax_bound == "reduced_kn":
-            self.alpha = nn.Parameter(torch.ones(1) * (0.1 if kn_alpha is None else kn_alpha))
+        _kn_alpha(self, softmax_bound, kn_alpha)
         self.return_ood = return_ood
 
     @property
@@ -388,9 +378,7 @@ class GenClassification(_Categorical):
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise()
-            wishart = (
-                self.dof * noise.logdet_precision - 0.5 * self.wishart_scale * noise.trace_precision
-            )
+            wishart = wishart_term(self, noise)
             rows = Rows("diagonal", self.mu_mean, self.mu_logdiag, None)
             reg = wishart - gaussian_kl(rows, self.prior_scale)
             return -(torch.mean(self.softmax_bound(x, y)) + self.regularization_weight * reg)

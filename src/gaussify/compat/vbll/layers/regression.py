@@ -70,6 +70,50 @@ def _rows(module: nn.Module, prefix: str, kind: str) -> Rows:
     )
 
 
+def _weight_rows(
+    module: nn.Module,
+    prefix: str,
+    kind: str,
+    shape: tuple[int, int],
+    std: float,
+    logdiag: tuple[float, float],
+    offdiag_scale: float,
+    cov_rank: int | None,
+) -> None:
+    """vbll's initialisation of a Gaussian layer, in vbll's order of random draws:
+    ``{prefix}_mean = std * randn(shape)``, then ``{prefix}_logdiag = logdiag[0] * randn(shape)
+    + logdiag[1]``, then the off-diagonal part (:func:`_rows_parameters`)."""
+    setattr(module, f"{prefix}_mean", nn.Parameter(torch.randn(*shape) * std))
+    diag = logdiag[0] * torch.randn(*shape) + logdiag[1]
+    _rows_parameters(module, prefix, kind, shape, diag, offdiag_scale, cov_rank)
+
+
+def wishart_term(module: Any, noise: Normal) -> Tensor:
+    """vbll's Wishart-style noise penalty ``nu log det Sigma^-1 - wishart_scale / 2 tr
+    Sigma^-1`` with ``nu = module.dof``."""
+    return module.dof * noise.logdet_precision - 0.5 * module.wishart_scale * noise.trace_precision
+
+
+class _GammaNoise(nn.Module):
+    """vbll's Student-t noise: ``q(tau_k) = Gamma(exp(noise_log_dof), exp(noise_log_rate))``
+    against the prior ``Gamma(dof, 1 / wishart_scale)``."""
+
+    def _init_gamma_noise(self, out_features: int, dof: float, wishart_scale: float) -> None:
+        self.wishart_scale = wishart_scale
+        self.prior_dof = dof
+        self.prior_rate = 1.0 / wishart_scale
+        self.noise_log_dof = nn.Parameter(torch.ones(out_features) * math.log(dof))
+        self.noise_log_rate = nn.Parameter(torch.ones(out_features) * math.log(self.prior_rate))
+
+    @property
+    def noise(self) -> distributions.Gamma:
+        return distributions.Gamma(self.noise_log_dof.exp(), self.noise_log_rate.exp())
+
+    @property
+    def noise_prior(self) -> distributions.Gamma:
+        return distributions.Gamma(self.prior_dof, self.prior_rate)
+
+
 class Regression(nn.Module):
     """Variational Bayesian last-layer regression (vbll ``Regression``).
 
@@ -100,12 +144,11 @@ class Regression(nn.Module):
         self.prior_scale = prior_scale / in_features
         self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
         self.noise_logdiag = nn.Parameter(torch.randn(out_features) * math.log(wishart_scale))
-        self.W_mean = nn.Parameter(torch.randn(out_features, in_features))
         sign = 1.0 if parameterization == "dense_precision" else -1.0
-        logdiag = torch.randn(out_features, in_features) + sign * 0.5 * math.log(in_features)
         scale = 0.0 if parameterization == "dense_precision" else 1.0 / in_features
+        shift = sign * 0.5 * math.log(in_features)
         shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, scale, cov_rank)
+        _weight_rows(self, "W", parameterization, shape, 1.0, (1.0, shift), scale, cov_rank)
 
     def W(self) -> Rows:
         return _rows(self, "W", self.parameterization)
@@ -124,11 +167,8 @@ class Regression(nn.Module):
             w, noise = self.W(), self.noise()
             log_lik = distributions.Normal(x @ w.mean.T, noise.scale).log_prob(y)
             trace = 0.5 * w.quad(x) * noise.trace_precision
-            wishart = (
-                self.dof * noise.logdet_precision - 0.5 * self.wishart_scale * noise.trace_precision
-            )
             elbo = torch.mean(log_lik - trace) + self.regularization_weight * (
-                wishart - gaussian_kl(w, self.prior_scale)
+                wishart_term(self, noise) - gaussian_kl(w, self.prior_scale)
             )
             return -elbo
 
@@ -138,7 +178,7 @@ class Regression(nn.Module):
         return lambda y: -self.predictive(x).log_prob(y).sum(-1).mean(0)
 
 
-class tRegression(nn.Module):
+class tRegression(_GammaNoise):
     """Student-t VBLL regression (vbll ``tRegression``): a Gamma posterior q(tau_k) =
     Gamma(exp(noise_log_dof), exp(noise_log_rate)) on each output's noise precision, prior
     Gamma(dof, 1 / wishart_scale); prior W ~ N(0, s I), s = 2 prior_scale / in_features.
@@ -163,32 +203,17 @@ class tRegression(nn.Module):
         self.parameterization = check_parameterization(
             parameterization, ("dense", "diagonal", "lowrank")
         )
-        self.wishart_scale = wishart_scale
         self.regularization_weight = regularization_weight
-        self.prior_dof = dof
-        self.prior_rate = 1.0 / wishart_scale
+        self._init_gamma_noise(out_features, dof, wishart_scale)
         self.prior_scale = prior_scale * 2.0 / in_features
-        self.noise_log_dof = nn.Parameter(torch.ones(out_features) * math.log(dof))
-        self.noise_log_rate = nn.Parameter(torch.ones(out_features) * math.log(self.prior_rate))
-        self.W_mean = nn.Parameter(
-            torch.randn(out_features, in_features) * math.sqrt(2.0 / in_features)
-        )
-        logdiag = 1e-3 * torch.randn(out_features, in_features) - 0.5 * math.log(in_features)
         scale = 1e-3 / in_features if parameterization == "dense" else 1e-3
-        shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, scale, cov_rank)
+        shape, std = (out_features, in_features), math.sqrt(2.0 / in_features)
+        logdiag = (1e-3, -0.5 * math.log(in_features))
+        _weight_rows(self, "W", parameterization, shape, std, logdiag, scale, cov_rank)
 
     @property
     def W(self) -> Rows:
         return _rows(self, "W", self.parameterization)
-
-    @property
-    def noise(self) -> distributions.Gamma:
-        return distributions.Gamma(self.noise_log_dof.exp(), self.noise_log_rate.exp())
-
-    @property
-    def noise_prior(self) -> distributions.Gamma:
-        return distributions.Gamma(self.prior_dof, self.prior_rate)
 
     def forward(self, x: Tensor) -> VBLLReturn:
         return VBLLReturn(self.predictive(x), self._train_loss(x), self._val_loss(x))

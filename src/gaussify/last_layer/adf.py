@@ -63,18 +63,10 @@ class ADFLastLayer:
     """
 
     def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        *,
-        prior_precision: float = 1.0,
-        bias: bool = True,
-        num_samples: int = 100,
-        damping: float = 1.0,
-        min_ratio: float = 1e-3,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype = torch.float64,
-    ) -> None:
+        self, in_features: int, num_classes: int, *, prior_precision: float = 1.0,
+        bias: bool = True, num_samples: int = 100, damping: float = 1.0, min_ratio: float = 1e-3,
+        generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64,
+    ) -> None:  # fmt: skip
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes: must be an integer >= 2, got {num_classes!r}")
         if not 0 < damping <= 1:
@@ -142,13 +134,9 @@ class ADFLastLayer:
         return self
 
     def predict(
-        self,
-        phi: Tensor,
-        link: LinkName = "probit",
-        *,
-        num_samples: int = 100,
+        self, phi: Tensor, link: LinkName = "probit", *, num_samples: int = 100,
         generator: torch.Generator | None = None,
-    ) -> Predictive:
+    ) -> Predictive:  # fmt: skip
         """Predictive at ``phi (N, D)`` from the current Gaussian (as for the exact layer)."""
         num_samples = check_count(num_samples, "num_samples")
         x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
@@ -203,17 +191,10 @@ class SGDLastLayer:
     each arriving batch; ``weight_decay`` plays the Gaussian prior. Weights start at zero."""
 
     def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        *,
-        lr: float = 0.1,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        steps: int = 1,
-        bias: bool = True,
+        self, in_features: int, num_classes: int, *, lr: float = 0.1, momentum: float = 0.9,
+        weight_decay: float = 0.0, steps: int = 1, bias: bool = True,
         dtype: torch.dtype = torch.float64,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if lr <= 0:
             raise ValueError(f"lr: must be positive, got {lr}")
         steps = check_count(steps, "steps")

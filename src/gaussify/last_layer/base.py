@@ -350,14 +350,9 @@ class ClassificationHead(VBLLHead):
     task = "classification"
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        prior_scale: float,
-        link: str = "mc",
-        num_samples: int = 100,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        prior_scale: float, link: str = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
         if link not in ("mc", "probit", "bridge"):
             raise ValueError(f"link: expected 'mc', 'probit' or 'bridge', got {link!r}")

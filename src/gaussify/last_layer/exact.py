@@ -98,21 +98,12 @@ class ExactLastLayer:
     """
 
     def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        *,
-        method: Method = "variational",
-        basis: Basis = "log",
-        alpha_eps: float = 0.1,
-        beta_eps: float | None = None,
-        noise: float = 0.1,
-        pseudo_likelihood: DirichletGaussian | BetaGaussian | None = None,
-        prior_precision: float = 1.0,
-        bias: bool = True,
-        streaming: bool = True,
+        self, in_features: int, num_classes: int, *, method: Method = "variational",
+        basis: Basis = "log", alpha_eps: float = 0.1, beta_eps: float | None = None,
+        noise: float = 0.1, pseudo_likelihood: DirichletGaussian | BetaGaussian | None = None,
+        prior_precision: float = 1.0, bias: bool = True, streaming: bool = True,
         dtype: torch.dtype = torch.float64,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features: must be a positive integer, got {in_features!r}")
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
@@ -275,13 +266,9 @@ class ExactLastLayer:
         return x @ self.mean, f_var.clamp_min(0)
 
     def predict(
-        self,
-        phi: Tensor,
-        link: LinkName = "probit",
-        *,
-        num_samples: int = 100,
+        self, phi: Tensor, link: LinkName = "probit", *, num_samples: int = 100,
         generator: torch.Generator | None = None,
-    ) -> Predictive:
+    ) -> Predictive:  # fmt: skip
         """Predictive at ``phi (N, D)``: logits ``N(f_mean (N, K), diag f_var)`` and probs by
         ``link`` (``"probit"`` or ``"mc"``: softmax / sigmoid averaged over samples), in the
         dtype of ``phi``."""

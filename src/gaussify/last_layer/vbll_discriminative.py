@@ -86,20 +86,12 @@ class VBLLDiscriminative(WishartNoise, _RowsClassifier):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-        cov_rank: int | None = None,
-        softmax_bound: Literal["jensen"] = "jensen",
-        link: LinkName = "mc",
-        num_samples: int = 100,
-        init_noise_var: float = 0.1,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        wishart_scale: float = 1.0, dof: float = 1.0, cov_rank: int | None = None,
+        softmax_bound: Literal["jensen"] = "jensen", link: LinkName = "mc",
+        num_samples: int = 100, init_noise_var: float = 0.1,
+    ) -> None:  # fmt: skip
         super().__init__(
             in_features, out_features, regularization_weight, prior_scale, link, num_samples
         )
@@ -130,18 +122,10 @@ class _MomentBoundHead(_RowsClassifier):
     ``gamma`` (the ``vbll`` package's ``kn_alpha``)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str,
-        prior_scale: float,
-        cov_rank: int | None,
-        softmax_bound: str,
-        kn_alpha: float,
-        link: str,
-        num_samples: int,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str, prior_scale: float, cov_rank: int | None, softmax_bound: str,
+        kn_alpha: float, link: str, num_samples: int,
+    ) -> None:  # fmt: skip
         super().__init__(
             in_features, out_features, regularization_weight, prior_scale, link, num_samples
         )
@@ -169,20 +153,12 @@ class VBLLStudentTDiscriminative(NormalGammaNoise, _MomentBoundHead):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 2.0,
-        cov_rank: int | None = None,
-        softmax_bound: Literal["reduced_kn"] = "reduced_kn",
-        kn_alpha: float = 0.1,
-        link: Literal["mc", "probit"] = "mc",
-        num_samples: int = 100,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        wishart_scale: float = 1.0, dof: float = 2.0, cov_rank: int | None = None,
+        softmax_bound: Literal["reduced_kn"] = "reduced_kn", kn_alpha: float = 0.1,
+        link: Literal["mc", "probit"] = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
         super().__init__(
             in_features, out_features, regularization_weight, parameterization, prior_scale,
             cov_rank, softmax_bound, kn_alpha, link, num_samples,
@@ -222,19 +198,12 @@ class VBLLHeteroscedasticDiscriminative(LogNoiseLayer, _MomentBoundHead):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        cov_rank: int | None = None,
-        softmax_bound: Literal["reduced_kn"] = "reduced_kn",
-        kn_alpha: float = 0.1,
-        link: Literal["mc", "probit"] = "mc",
-        num_samples: int = 100,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        noise_prior_scale: float = 0.01, cov_rank: int | None = None,
+        softmax_bound: Literal["reduced_kn"] = "reduced_kn", kn_alpha: float = 0.1,
+        link: Literal["mc", "probit"] = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
         super().__init__(
             in_features, out_features, regularization_weight, parameterization, prior_scale,
             cov_rank, softmax_bound, kn_alpha, link, num_samples,

@@ -92,18 +92,11 @@ class DiscClassification(_Categorical):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "jensen",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "jensen", return_ood: bool = False,
+        prior_scale: float = 1.0, wishart_scale: float = 1.0, dof: float = 1.0,
         cov_rank: int | None = 3,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(
             parameterization, ("dense", "diagonal", "lowrank")
@@ -169,19 +162,11 @@ class tDiscClassification(_GammaNoise, _Categorical):
     2 prior_scale / (E[sigma^2] in_features) with E[sigma^2] = rate / (dof - 1)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "reduced_kn",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 2.0,
-        cov_rank: int | None = None,
-        kn_alpha: float | None = None,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "reduced_kn",
+        return_ood: bool = False, prior_scale: float = 1.0, wishart_scale: float = 1.0,
+        dof: float = 2.0, cov_rank: int | None = None, kn_alpha: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.bound = _check_bound(softmax_bound, ("semimontecarlo", "reduced_kn"))
@@ -234,18 +219,11 @@ class HetClassification(_Categorical):
     noise_prior_scale / in_features."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "reduced_kn",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        cov_rank: int | None = None,
-        kn_alpha: float | None = None,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "reduced_kn",
+        return_ood: bool = False, prior_scale: float = 1.0, noise_prior_scale: float = 0.01,
+        cov_rank: int | None = None, kn_alpha: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.bound = _check_bound(softmax_bound, ("semimontecarlo", "reduced_kn"))
@@ -323,17 +301,10 @@ class GenClassification(_Categorical):
     predictive softmax of the logits (closed form)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "jensen",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "jensen", return_ood: bool = False,
+        prior_scale: float = 1.0, wishart_scale: float = 1.0, dof: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         if parameterization != "diagonal":
             raise ValueError(

@@ -126,16 +126,10 @@ class Regression(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1e-2,
-        cov_rank: int | None = None,
-        dof: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", prior_scale: float = 1.0, wishart_scale: float = 1e-2,
+        cov_rank: int | None = None, dof: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization)
         self.wishart_scale = wishart_scale
@@ -189,16 +183,10 @@ class tRegression(_GammaNoise):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        prior_scale: float = 100.0,
-        wishart_scale: float = 100.0,
-        cov_rank: int | None = None,
-        dof: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", prior_scale: float = 100.0, wishart_scale: float = 100.0,
+        cov_rank: int | None = None, dof: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(
             parameterization, ("dense", "diagonal", "lowrank")
@@ -251,15 +239,10 @@ class HetRegression(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        grad_correction_scale: float = 0.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", prior_scale: float = 1.0,
+        noise_prior_scale: float = 0.01, grad_correction_scale: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.regularization_weight = regularization_weight

@@ -404,35 +404,21 @@ def _laplace_probs(
     # and float32 eigh can fail to converge on the near-singular GGN of a collapsed net.
     la = Laplace(model, "classification", structure="full", prior_precision=delta, eig_cache=False)
     la.fit((x_tr, y_tr))
-    probs["bnn_laplace"] = _probs(
-        la.predict(
-            x_eval,
-            method="nn",
-            num_samples=cfg.num_samples,
-            generator=torch.Generator().manual_seed(gen),
-        ).probs
-    )
-    probs["glm_laplace"] = _probs(
-        la.predict(
-            x_eval,
-            method="glm",
-            link=cfg.glm_link,  # type: ignore[arg-type]
-            num_samples=cfg.num_samples,
-            generator=torch.Generator().manual_seed(gen),
-        ).probs
-    )
+
+    def predict(method: str) -> Tensor:
+        link = {} if method == "nn" else {"link": cfg.glm_link}
+        gen_ = torch.Generator().manual_seed(gen)
+        pred = la.predict(
+            x_eval, method=method, num_samples=cfg.num_samples, generator=gen_, **link
+        )  # type: ignore[call-overload]
+        return _probs(pred.probs)
+
+    probs["bnn_laplace"] = predict("nn")
+    probs["glm_laplace"] = predict("glm")
     if hasattr(la, "refine") and "glm_refine" in cfg.methods:
         la.refine((x_tr, y_tr), **cfg.refine_kwargs)
         probs["refine_shift"] = float((la.mean - la.theta_star).norm())
-        probs["glm_refine"] = _probs(
-            la.predict(
-                x_eval,
-                method="glm",
-                link=cfg.glm_link,  # type: ignore[arg-type]
-                num_samples=cfg.num_samples,
-                generator=torch.Generator().manual_seed(gen),
-            ).probs
-        )
+        probs["glm_refine"] = predict("glm")
 
 
 def _probs(p: Tensor | None) -> Tensor:

@@ -159,10 +159,8 @@ class VBLLStudentTDiscriminative(NormalGammaNoise, _MomentBoundHead):
         softmax_bound: Literal["reduced_kn"] = "reduced_kn", kn_alpha: float = 0.1,
         link: Literal["mc", "probit"] = "mc", num_samples: int = 100,
     ) -> None:  # fmt: skip
-        super().__init__(
-            in_features, out_features, regularization_weight, parameterization, prior_scale,
-            cov_rank, softmax_bound, kn_alpha, link, num_samples,
-        )  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, parameterization,
+            prior_scale, cov_rank, softmax_bound, kn_alpha, link, num_samples)  # fmt: skip
         self.wishart_scale = check_positive(wishart_scale, "wishart_scale")
         self.dof = check_positive(dof, "dof")
         self.noise_gamma = GammaNoise(out_features, self.dof, self.wishart_scale, 1.0)
@@ -204,10 +202,8 @@ class VBLLHeteroscedasticDiscriminative(LogNoiseLayer, _MomentBoundHead):
         softmax_bound: Literal["reduced_kn"] = "reduced_kn", kn_alpha: float = 0.1,
         link: Literal["mc", "probit"] = "mc", num_samples: int = 100,
     ) -> None:  # fmt: skip
-        super().__init__(
-            in_features, out_features, regularization_weight, parameterization, prior_scale,
-            cov_rank, softmax_bound, kn_alpha, link, num_samples,
-        )  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, parameterization,
+            prior_scale, cov_rank, softmax_bound, kn_alpha, link, num_samples)  # fmt: skip
         self.noise_prior_scale = check_positive(noise_prior_scale, "noise_prior_scale")
         zeros = torch.zeros(out_features, in_features)
         self.add_gaussian_rows(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from torch import Tensor, distributions, nn
 from gaussify.compat.vbll.layers.regression import (
     VBLLReturn,
     _GammaNoise,
+    _het_means,
     _rows,
     _weight_rows,
     wishart_term,
@@ -63,8 +65,15 @@ class _Categorical(nn.Module):
 
     return_ood: bool
 
-    def predictive(self, x: Tensor, *args: bool) -> Tensor:
+    def logit_predictive(self, x: Tensor, *args: bool) -> Any:
         raise NotImplementedError
+
+    def forward(self, x: Tensor) -> VBLLReturn:
+        return self._output(x)
+
+    def predictive(self, x: Tensor, n_samples: int = 20) -> Tensor:
+        """vbll's Monte-Carlo predictive: softmax averaged over ``n_samples`` logit draws."""
+        return _mc_probs(self.logit_predictive(x), n_samples)
 
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         raise NotImplementedError
@@ -128,12 +137,6 @@ class DiscClassification(_Categorical):
 
     softmax_bound = jensen_bound
 
-    def forward(self, x: Tensor) -> VBLLReturn:
-        return self._output(x)
-
-    def predictive(self, x: Tensor, n_samples: int = 20) -> Tensor:  # type: ignore[override]
-        return _mc_probs(self.logit_predictive(x), n_samples)
-
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise()
@@ -196,12 +199,6 @@ class tDiscClassification(_GammaNoise, _Categorical):
         wx = self.W @ x
         return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
 
-    def forward(self, x: Tensor) -> VBLLReturn:
-        return self._output(x)
-
-    def predictive(self, x: Tensor, n_samples: int = 20) -> Tensor:  # type: ignore[override]
-        return _mc_probs(self.logit_predictive(x), n_samples)
-
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise
@@ -228,12 +225,7 @@ class HetClassification(_Categorical):
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.bound = _check_bound(softmax_bound, ("semimontecarlo", "reduced_kn"))
         self.regularization_weight = regularization_weight
-        self.prior_scale = prior_scale / in_features
-        self.noise_prior_scale = noise_prior_scale / in_features
-        self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
-        std = math.sqrt(2 / in_features)
-        self.W_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
-        self.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+        _het_means(self, in_features, out_features, prior_scale, noise_prior_scale)
         shape = (out_features, in_features)
         self.W_logdiag = nn.Parameter(1e-3 * torch.randn(*shape) - 0.5 * math.log(in_features))
         self.M_logdiag = nn.Parameter(
@@ -339,9 +331,6 @@ class GenClassification(_Categorical):
         return linear - 0.5 * trace - torch.logsumexp(self.logit_predictive(x), dim=-1)
 
     softmax_bound = jensen_bound
-
-    def forward(self, x: Tensor) -> VBLLReturn:
-        return self._output(x)
 
     def predictive(self, x: Tensor) -> Tensor:  # type: ignore[override]
         return torch.clip(F.softmax(self.logit_predictive(x), dim=-1), min=0.0, max=1.0)

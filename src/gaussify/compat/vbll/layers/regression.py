@@ -88,6 +88,20 @@ def _weight_rows(
     _rows_parameters(module, prefix, kind, shape, diag, offdiag_scale, cov_rank)
 
 
+def _het_means(
+    module: nn.Module, in_features: int, out_features: int, prior_scale: float, noise_scale: float
+) -> None:
+    """vbll's heteroscedastic layers: prior variances ``prior_scale / in`` (W) and
+    ``noise_scale / in`` (M), the fixed zero noise mean, then ``W_mean`` and ``M_mean`` drawn
+    ``N(0, 2 / in)`` in that order."""
+    module.prior_scale = prior_scale / in_features
+    module.noise_prior_scale = noise_scale / in_features
+    module.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
+    std = math.sqrt(2.0 / in_features)
+    module.W_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+    module.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+
+
 def wishart_term(module: Any, noise: Normal) -> Tensor:
     """vbll's Wishart-style noise penalty ``nu log det Sigma^-1 - wishart_scale / 2 tr
     Sigma^-1`` with ``nu = module.dof``."""
@@ -247,12 +261,7 @@ class HetRegression(nn.Module):
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.regularization_weight = regularization_weight
         self.grad_correction = grad_correction_scale
-        self.prior_scale = prior_scale / in_features
-        self.noise_prior_scale = noise_prior_scale / in_features
-        self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
-        std = math.sqrt(2.0 / in_features)
-        self.W_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
-        self.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+        _het_means(self, in_features, out_features, prior_scale, noise_prior_scale)
         shape = (out_features, in_features)
         for prefix, shift in (
             ("W", -0.5 * math.log(in_features)),

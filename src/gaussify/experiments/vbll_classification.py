@@ -684,35 +684,23 @@ def demo_vbll(
 
         bar = tqdm(total=epochs, desc=f"VBLL {head} ({mode})", unit="epoch")
     try:
-        if mode == "joint":
-            train(
-                body,
-                vbll,
-                ds.x_train,
-                ds.y_train,
-                epochs=epochs,
-                lr=lr,
-                weight_decay=weight_decay,
-                batch_size=batch_size,
-                seed=seed,
-                progress=bar,
-            )
-        else:
+        net, inputs = body, ds.x_train
+        if mode != "joint":  # post hoc: a frozen body, the head trained on its features
             for p in body.parameters():
                 p.requires_grad_(False)
-            phi_train = features(body, ds.x_train)
-            train(
-                nn.Identity(),
-                vbll,
-                phi_train,
-                ds.y_train,
-                epochs=epochs,
-                lr=lr,
-                weight_decay=weight_decay,
-                batch_size=batch_size,
-                seed=seed,
-                progress=bar,
-            )
+            net, inputs = nn.Identity(), features(body, ds.x_train)
+        train(
+            net,
+            vbll,
+            inputs,
+            ds.y_train,
+            epochs=epochs,
+            lr=lr,
+            weight_decay=weight_decay,
+            batch_size=batch_size,
+            seed=seed,
+            progress=bar,
+        )
     finally:
         if bar is not None:
             bar.close()

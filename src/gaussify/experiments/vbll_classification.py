@@ -129,22 +129,11 @@ def _loss(head: nn.Module, phi: Tensor, y: Tensor) -> Tensor:
 
 
 def train(
-    body: nn.Module,
-    head: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    *,
-    epochs: int,
-    lr: float = 1e-3,
-    weight_decay: float = 1e-2,
-    batch_size: int = 128,
-    max_grad_norm: float | None = 2.0,
-    seed: int = 0,
-    optimizer: Literal["adamw", "sgd"] = "adamw",
-    momentum: float = 0.9,
-    schedule: Literal["constant", "cosine"] = "constant",
-    progress: Any = None,
-) -> list[float]:
+    body: nn.Module, head: nn.Module, x: Tensor, y: Tensor, *, epochs: int, lr: float = 1e-3,
+    weight_decay: float = 1e-2, batch_size: int = 128, max_grad_norm: float | None = 2.0,
+    seed: int = 0, optimizer: Literal["adamw", "sgd"] = "adamw", momentum: float = 0.9,
+    schedule: Literal["constant", "cosine"] = "constant", progress: Any = None,
+) -> list[float]:  # fmt: skip
     """Train ``body`` and ``head`` jointly on ``(x, y)`` (mean training loss per epoch
     returned). G-VBLL heads get their Dirichlet counts from ``y`` first. Batches come from
     ``torch.randperm`` with a generator seeded by ``seed``; ``schedule="cosine"`` anneals the
@@ -318,23 +307,12 @@ def _evaluate(
 
 
 def run(
-    datasets: Sequence[str] | None = None,
-    seeds: int | Sequence[int] = 3,
-    quick: bool = False,
-    progress: bool = False,
-    *,
-    features_kind: FeatureKind = "mlp",
-    width: int = 128,
-    epochs: int | None = None,
-    lr: float = 1e-3,
-    weight_decay: float = 1e-2,
-    batch_size: int = 128,
-    max_train: int | None = None,
-    num_samples: int = 1000,
-    keep_predictions: bool = False,
-    keep_models: bool = False,
-    num_threads: int | None = 1,
-) -> VBLLClassificationResults:
+    datasets: Sequence[str] | None = None, seeds: int | Sequence[int] = 3, quick: bool = False,
+    progress: bool = False, *, features_kind: FeatureKind = "mlp", width: int = 128,
+    epochs: int | None = None, lr: float = 1e-3, weight_decay: float = 1e-2,
+    batch_size: int = 128, max_train: int | None = None, num_samples: int = 1000,
+    keep_predictions: bool = False, keep_models: bool = False, num_threads: int | None = 1,
+) -> VBLLClassificationResults:  # fmt: skip
     """Train MAP softmax, D-VBLL and G-VBLL heads with the same feature network on each image
     set and evaluate accuracy, ECE (15 bins), NLL, Brier and OOD AUROCs against the other set.
 
@@ -504,15 +482,9 @@ class ResidualMLP(nn.Module):
 
 
 def halfmoons(
-    seed: int = 0,
-    epochs: int = 100,
-    width: int = 128,
-    depth: int = 3,
-    grid_size: int = 120,
-    dof: float = 128.0,
-    wishart_scale: float = 1.0,
-    max_grad_norm: float | None = 2.0,
-) -> dict[str, Any]:
+    seed: int = 0, epochs: int = 100, width: int = 128, depth: int = 3, grid_size: int = 120,
+    dof: float = 128.0, wishart_scale: float = 1.0, max_grad_norm: float | None = 2.0,
+) -> dict[str, Any]:  # fmt: skip
     """Train G-VBLL on all 1000 points of ``two_moons`` (sklearn ``make_moons``, noise 0.2, raw
     coordinates) with the App. G.1 protocol and evaluate over a ``grid_size`` square grid.
 

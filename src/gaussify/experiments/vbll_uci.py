@@ -669,20 +669,12 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
 
 
 def run(
-    datasets: Sequence[str] | None = None,
-    seeds: int | Sequence[int] = 20,
-    quick: bool = False,
-    progress: bool = False,
-    *,
-    targets: Targets = "standardized",
-    max_epochs: int | dict[str, int] | None = None,
-    patience: int | None = None,
-    eval_every: int = 10,
-    max_train: int | dict[str, int] | None = None,
-    keep_models: bool = False,
-    num_threads: int | None = 1,
-    parameterization: str = "dense",
-) -> VBLLUCIResults:
+    datasets: Sequence[str] | None = None, seeds: int | Sequence[int] = 20, quick: bool = False,
+    progress: bool = False, *, targets: Targets = "standardized",
+    max_epochs: int | dict[str, int] | None = None, patience: int | None = None,
+    eval_every: int = 10, max_train: int | dict[str, int] | None = None,
+    keep_models: bool = False, num_threads: int | None = 1, parameterization: str = "dense",
+) -> VBLLUCIResults:  # fmt: skip
     """Run the Table 2 protocol (App. G.2) and return the results.
 
     ``datasets``: library names (default: every shipped UCI regression set, :data:`DATASETS`);

@@ -22,6 +22,7 @@ from gaussify.compat.vbll.layers.regression import (
     VBLLReturn,
     _GammaNoise,
     _het_means,
+    _HetRows,
     _rows,
     _weight_rows,
     wishart_term,
@@ -210,7 +211,7 @@ class tDiscClassification(_GammaNoise, _Categorical):
         return loss
 
 
-class HetClassification(_Categorical):
+class HetClassification(_HetRows, _Categorical):
     """Heteroscedastic VBLL classification (vbll ``HetClassification``): log sigma^2(x) = M x
     with q(M) like q(W); prior variances prior_scale / in_features and
     noise_prior_scale / in_features."""
@@ -239,14 +240,6 @@ class HetClassification(_Categorical):
             )
         _kn_alpha(self, softmax_bound, kn_alpha)
         self.return_ood = return_ood
-
-    @property
-    def W(self) -> Rows:
-        return _rows(self, "W", self.parameterization)
-
-    @property
-    def M(self) -> Rows:
-        return _rows(self, "M", self.parameterization)
 
     def softmax_bound(self, x: Tensor, y: Tensor) -> Tensor:
         if self.bound == "semimontecarlo":

@@ -102,6 +102,20 @@ def _het_means(
     module.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
 
 
+class _HetRows(nn.Module):
+    """q(W) and q(M) (the log-noise layer) of vbll's heteroscedastic layers."""
+
+    parameterization: str
+
+    @property
+    def W(self) -> Rows:
+        return _rows(self, "W", self.parameterization)
+
+    @property
+    def M(self) -> Rows:
+        return _rows(self, "M", self.parameterization)
+
+
 def wishart_term(module: Any, noise: Normal) -> Tensor:
     """vbll's Wishart-style noise penalty ``nu log det Sigma^-1 - wishart_scale / 2 tr
     Sigma^-1`` with ``nu = module.dof``."""
@@ -243,7 +257,7 @@ class tRegression(_GammaNoise):
         return lambda y: -self.predictive(x).log_prob(y).sum(-1).mean(0)
 
 
-class HetRegression(nn.Module):
+class HetRegression(_HetRows):
     """Heteroscedastic VBLL regression (vbll ``HetRegression``): log sigma^2(x) = M x with a
     second Gaussian q(M) (same parameterization, "dense" or "diagonal"); prior variances
     prior_scale / in_features (W) and noise_prior_scale / in_features (M). The forward's
@@ -271,14 +285,6 @@ class HetRegression(nn.Module):
             _rows_parameters(
                 self, prefix, parameterization, shape, logdiag, 1e-3 / in_features, None
             )
-
-    @property
-    def W(self) -> Rows:
-        return _rows(self, "W", self.parameterization)
-
-    @property
-    def M(self) -> Rows:
-        return _rows(self, "M", self.parameterization)
 
     def forward(self, x: Tensor, consistent_variance: bool = False) -> VBLLReturn:
         return VBLLReturn(

@@ -251,12 +251,7 @@ class HetClassification(_HetRows, _Categorical):
         return _kn_bound(self.W @ x, y, self.alpha, exp_cov, exp_prec)
 
     def logit_predictive(self, x: Tensor, consistent_variance: bool) -> Normal:
-        if consistent_variance:
-            sigma2 = (x @ self.M.rsample().T).exp()
-        else:
-            sigma2 = (self.M @ x).rsample().exp()
-        wx = self.W @ x
-        return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
+        return self._noisy_outputs(x, consistent_variance)
 
     def forward(self, x: Tensor, consistent_variance: bool = False) -> VBLLReturn:
         return self._output(x, consistent_variance)

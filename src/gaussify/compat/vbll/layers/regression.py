@@ -115,6 +115,16 @@ class _HetRows(nn.Module):
     def M(self) -> Rows:
         return _rows(self, "M", self.parameterization)
 
+    def _noisy_outputs(self, x: Tensor, consistent_variance: bool) -> Normal:
+        """``N(W x mean, (x^T S x + 1) sigma^2)`` with one draw of the log noise ``M x`` (of
+        ``M`` itself with ``consistent_variance``), in vbll's order of draws."""
+        if consistent_variance:
+            sigma2 = (x @ self.M.rsample().T).exp()
+        else:
+            sigma2 = (self.M @ x).rsample().exp()
+        wx = self.W @ x
+        return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
+
 
 def wishart_term(module: Any, noise: Normal) -> Tensor:
     """vbll's Wishart-style noise penalty ``nu log det Sigma^-1 - wishart_scale / 2 tr
@@ -294,12 +304,7 @@ class HetRegression(_HetRows):
         )
 
     def predictive_sample(self, x: Tensor, consistent_variance: bool) -> Normal:
-        if consistent_variance:
-            sigma2 = (x @ self.M.rsample().T).exp()
-        else:
-            sigma2 = (self.M @ x).rsample().exp()
-        wx = self.W @ x
-        return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
+        return self._noisy_outputs(x, consistent_variance)
 
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:

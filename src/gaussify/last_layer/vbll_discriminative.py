@@ -66,6 +66,12 @@ def logit_predictive(
     return Predictive("classification", mean, f_cov=f_cov, probs=probs)
 
 
+def _require_bound(softmax_bound: str, expected: str, says: str) -> None:
+    """Refuse a ``softmax_bound`` other than the one the head is trained on."""
+    if softmax_bound != expected:
+        raise ValueError(f"softmax_bound: {says} {softmax_bound!r}")
+
+
 class _RowsClassifier(ClassificationHead):
     """A classifier with independent rows ``w_k ~ N(w_bar_k, S_k)`` (one covariance per
     class)."""
@@ -92,13 +98,9 @@ class VBLLDiscriminative(WishartNoise, _RowsClassifier):
         softmax_bound: Literal["jensen"] = "jensen", link: LinkName = "mc",
         num_samples: int = 100, init_noise_var: float = 0.1,
     ) -> None:  # fmt: skip
-        super().__init__(
-            in_features, out_features, regularization_weight, prior_scale, link, num_samples
-        )
-        if softmax_bound != "jensen":
-            raise ValueError(
-                f"softmax_bound: D-VBLL uses eq. (13), 'jensen'; got {softmax_bound!r}"
-            )
+        super().__init__(in_features, out_features, regularization_weight, prior_scale, link,
+                         num_samples)  # fmt: skip
+        _require_bound(softmax_bound, "jensen", "D-VBLL uses eq. (13), 'jensen'; got")
         self.set_wishart_prior(wishart_scale, dof)
         init_noise_var = check_positive(init_noise_var, "init_noise_var")
         self._add_rows(parameterization, cov_rank)
@@ -126,14 +128,11 @@ class _MomentBoundHead(_RowsClassifier):
         parameterization: str, prior_scale: float, cov_rank: int | None, softmax_bound: str,
         kn_alpha: float, link: str, num_samples: int,
     ) -> None:  # fmt: skip
-        super().__init__(
-            in_features, out_features, regularization_weight, prior_scale, link, num_samples
+        super().__init__(in_features, out_features, regularization_weight, prior_scale, link,
+                         num_samples)  # fmt: skip
+        _require_bound(
+            softmax_bound, "reduced_kn", "this head uses the deterministic 'reduced_kn' bound, got"
         )
-        if softmax_bound != "reduced_kn":
-            raise ValueError(
-                f"softmax_bound: this head uses the deterministic 'reduced_kn' bound, "
-                f"got {softmax_bound!r}"
-            )
         if link == "bridge":
             raise ValueError("link: use 'mc' or 'probit' for heads with random logit noise")
         self._add_rows(parameterization, cov_rank)

@@ -31,7 +31,7 @@ for regression the sufficient statistics are stored per output so the noise can 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,7 @@ from gaussify.function_space.ntk import Route, ntk
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
     Integer,
@@ -137,7 +138,7 @@ def select_landmarks(
     return x_all[torch.tensor(idx)]
 
 
-class ELLA:
+class ELLA(DeclaredCapabilities):
     """Nystrom-accelerated linearised Laplace (Deng et al. 2022) with the full C x C
     likelihood Hessian blocks.
 
@@ -146,6 +147,13 @@ class ELLA:
     scalar can be changed after fitting). ``seed`` seeds the landmark choice. ``eig_tol``:
     relative eigenvalue cut of the landmark kernel (:func:`nystrom_projection`).
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "sample": "ELLA's Gaussian is over the coefficients of its R Nystrom features of the "
+        "kernel, not over the network's weights, so it has no weight samples; use "
+        "predict(x, link='mc') for function-space samples, or FunctionalLaplace / Laplace / "
+        "VaLLA.sample for weights",
+    }
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from gaussify.evidence import (
     warn_dropped_correction,
 )
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
+from gaussify.function_space.pathwise import pathwise_sample
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
@@ -596,6 +597,29 @@ class FunctionalLaplace:
             noise_var=noise_var,
             num_samples=num_samples,
             generator=generator,
+        )
+
+    @in_eval_mode
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Weight samples theta_s ~ N(theta*, (J^T Lambda J + P0)^-1), (S, P) in the subset's
+        flattening order: the weight-space posterior whose pushforward is this GP (the same
+        as ``Laplace(..., "full")``'s), drawn by pathwise conditioning on the training
+        Jacobians (:func:`gaussify.function_space.pathwise.pathwise_sample`; the (NC, NC)
+        factor :attr:`posterior_factor` and S Jacobian-vector products, no P x P matrix)."""
+        self._require_fit()
+        num_samples = check_count(num_samples, "num_samples")
+        lam_sqrt = self._likelihood_at(self.sigma_noise).hessian_sqrt(self._f)
+        prior = expand_prior(self.prior_precision, self.subset).to(self._f.dtype)
+        return pathwise_sample(
+            self.model,
+            self._x,
+            self.subset,
+            self.theta_star,
+            prior,
+            lam_sqrt,
+            self.posterior_factor,
+            num_samples,
+            generator,
         )
 
     # ------------------------------------------------------------------ state

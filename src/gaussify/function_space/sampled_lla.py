@@ -27,13 +27,11 @@ Predictions push the samples through the linearised network, f(x; theta*) + J(x)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any, ClassVar, Literal
 
 import torch
-import torch.func as tfunc
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
 
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import (
@@ -43,9 +41,11 @@ from gaussify.curvature.jacobian import (
     model_outputs,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.function_space.pathwise import batched_jvp, batched_vjp
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -73,44 +73,6 @@ __all__ = [
 Solver = Literal["sgd", "cg", "solve"]
 Optimizer = Literal["sgd", "adam"]
 Route = Literal["auto", "jacobian", "jvp"]
-
-
-def _functional(model: nn.Module, subset: ParameterSubset, x: Tensor) -> tuple[Callable, dict]:
-    """(params -> f(x) (B, C), current subset parameters), every other parameter frozen."""
-    chosen = set(subset.names)
-    named = dict(model.named_parameters())
-    params = {n: named[n].detach() for n in subset.names}
-    frozen = {n: p.detach() for n, p in named.items() if n not in chosen}
-
-    def f(p: dict[str, Tensor]) -> Tensor:
-        return functional_call(model, {**frozen, **p}, (x,))
-
-    return f, params
-
-
-def batched_jvp(model: nn.Module, x: Tensor, subset: ParameterSubset, v: Tensor) -> Tensor:
-    """J(x) v_s for a batch of tangents ``v (S, P)``: shape (S, N, C).
-
-    ``vmap`` of forward-mode ``torch.func.jvp`` over the S tangents (the primal pass is shared),
-    so no Jacobian is materialised. The model must be in eval mode.
-    """
-    f, params = _functional(model, subset, x)
-
-    def one(t: Tensor) -> Tensor:
-        return tfunc.jvp(f, (params,), (subset.unflatten(t),))[1]
-
-    return vmap(one)(v.to(next(iter(params.values())).dtype))
-
-
-def batched_vjp(model: nn.Module, x: Tensor, subset: ParameterSubset, u: Tensor) -> Tensor:
-    """sum_n J_n^T u_{s,n} for a batch of output-space cotangents ``u (S, N, C)``: shape (S, P).
-
-    One forward pass and a ``vmap`` over the S cotangents of its pullback.
-    """
-    f, params = _functional(model, subset, x)
-    out, pullback = tfunc.vjp(f, params)
-    (grads,) = vmap(pullback)(u.to(out.dtype))
-    return subset.flatten(grads)
 
 
 def randomised_minimiser(
@@ -177,7 +139,7 @@ class _BatchGGN:
         return self.pullback(torch.einsum("nck,snk->snc", self.factor, w)), w
 
 
-class SampledLLA:
+class SampledLLA(DeclaredCapabilities):
     """Linearised Laplace posterior represented by S weight samples (sample-then-optimise).
 
     ``likelihood``: "regression", "classification", "binary" or a likelihood object.
@@ -210,6 +172,14 @@ class SampledLLA:
     After :meth:`fit`, ``samples`` (S, P) holds delta_s = theta_s - theta*, ``theta_star`` the
     linearisation point; :meth:`sample` returns theta_s.
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "the posterior is held as S samples, which give no log det "
+        "of the posterior precision; use Laplace (structure 'full' / 'kron' / 'lowrank') or "
+        "FunctionalLaplace for the evidence",
+        "optimize_prior": "the evidence needs log det A, which samples do not give; tune the "
+        "prior with Laplace.optimize_prior or FunctionalLaplace.optimize_prior and pass it in",
+    }
 
     def __init__(
         self,
@@ -494,15 +464,23 @@ class SampledLLA:
         return self.samples
 
     # ------------------------------------------------------------------ posterior
-    def sample(self, num_samples: int | None = None) -> Tensor:
-        """Weight samples theta* + delta_s, (S, P) (the first ``num_samples`` of the S)."""
+    def sample(
+        self, num_samples: int | None = None, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """Weight samples theta* + delta_s, (S, P): the first ``num_samples`` of the S fitted
+        samples, or, with ``generator``, ``num_samples`` of them chosen at random without
+        replacement (each fitted sample is an independent exact draw of q, so any subset is
+        too; new draws need a new :meth:`fit`, which optimises them)."""
         samples = self._require_fit()
         n = samples.shape[0] if num_samples is None else check_count(num_samples, "num_samples")
         if n < 1 or n > samples.shape[0]:
             raise ValueError(
                 f"num_samples: must be in [1, {samples.shape[0]}] (the fitted samples), got {n}"
             )
-        return self.theta_star + samples[:n]
+        if generator is None:
+            return self.theta_star + samples[:n]
+        chosen = torch.randperm(samples.shape[0], generator=generator)[:n]
+        return self.theta_star + samples[chosen]
 
     @in_eval_mode
     def objective(self, data: Batches) -> Tensor:

@@ -50,6 +50,7 @@ from gaussify.curvature.subset import check_prior, expand_prior, select_paramete
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import (
     LinkName,
     Predictive,
@@ -107,7 +108,7 @@ class NGVIHistory:
 # --------------------------------------------------------------------------- the engine
 
 
-class NaturalGradientVI:
+class NaturalGradientVI(DeclaredCapabilities):
     """Natural-gradient Gaussian VI with the GGN (thesis eq. 4.1-4.3); use a variant class.
 
     ``likelihood``: "classification", "regression", "binary" or a likelihood object;
@@ -135,6 +136,15 @@ class NaturalGradientVI:
     sampling: ClassVar[bool] = True
     #: the predictive that matches the inference (thesis Sec. 4.6)
     default_method: ClassVar[str] = "glm"
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "natural-gradient VI maximises the ELBO, a lower bound on "
+        "log p(D), and has no evidence estimate of its own; use elbo(data), or Laplace for "
+        "the Laplace evidence at the same weights",
+        "optimize_prior": "q's precision is kept as the GGN sum plus the prior (eq. 4.3), so "
+        "the prior cannot change without refitting; tune it with Laplace.optimize_prior or "
+        "marglik_training before fit (as the NGVI experiments do)",
+    }
 
     def __init__(
         self,

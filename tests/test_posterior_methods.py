@@ -1,0 +1,130 @@
+"""The methods added so that every family answers the posterior protocol, checked against
+their math: FunctionalLaplace's pathwise weight samples against the dense Laplace-GGN
+covariance, the last layers' weight samples against their Gaussians, ExactLastLayer's prior
+search against the evidence on every grid point, GPClassifier's saved state, SampledLLA's
+seeded choice of its fitted samples, and the declared gaps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gaussify as gs
+from gaussify import approx_likelihoods, last_layer
+from gaussify.posterior import capabilities
+from gaussify.state import StateError
+
+DT = torch.float64
+
+
+def _mlp(out: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, out)).to(DT)
+
+
+@pytest.mark.parametrize(("task", "out"), [("regression", 1), ("classification", 3), ("binary", 1)])
+def test_functional_laplace_samples_have_the_laplace_ggn_covariance(task: str, out: int) -> None:
+    """theta = theta* + e - P0^-1 J^T L B^-1 (L^T J e + xi) ~ N(theta*, (G + P0)^-1): the
+    covariance of 20000 draws matches Laplace(full)'s dense covariance (sampling error
+    ~ sqrt(2 / S) ~ 1 %), and the mean is theta*."""
+    model = _mlp(out)
+    x = torch.randn(12, 2, dtype=DT)
+    if task == "regression":
+        y = torch.randn(12, 1, dtype=DT)
+    elif task == "classification":
+        y = torch.randint(0, 3, (12,))
+    else:
+        y = (x[:, :1] > 0).to(DT)
+    sigma = 0.5 if task == "regression" else 1.0
+    prior = torch.tensor(0.7, dtype=DT)
+    fl = gs.FunctionalLaplace(model, task, prior_precision=prior, sigma_noise=sigma).fit((x, y))
+    la = gs.Laplace(model, task, "full", prior_precision=prior, sigma_noise=sigma).fit((x, y))
+    draws = fl.sample(20000, torch.Generator().manual_seed(1))
+    reference = la.posterior_covariance
+    scale = float(reference.diagonal().max())
+    assert float((torch.cov(draws.T) - reference).abs().max()) < 0.05 * scale
+    assert float((draws.mean(0) - la.mean).abs().max()) < 0.05 * scale**0.5
+
+
+@pytest.mark.parametrize("cls", [last_layer.ExactLastLayer, last_layer.ADFLastLayer])
+def test_last_layer_samples_follow_their_gaussian_columns(cls: type) -> None:
+    torch.manual_seed(2)
+    phi, y = torch.randn(40, 3, dtype=DT), torch.randint(0, 3, (40,))
+    layer = cls(3, 3).fit((phi, y))
+    draws = layer.sample(30000, torch.Generator().manual_seed(0)).reshape(-1, 4, 3)
+    torch.testing.assert_close(draws.mean(0), layer.mean, rtol=0, atol=0.03)
+    for k in range(3):
+        cov = torch.cov(draws[:, :, k].T)
+        torch.testing.assert_close(cov, layer.covariance[k], rtol=0, atol=0.03)
+
+
+def test_exact_last_layer_optimize_prior_is_the_best_evidence_on_the_grid() -> None:
+    torch.manual_seed(3)
+    phi, y = torch.randn(30, 3, dtype=DT), torch.randint(0, 3, (30,))
+    grid = [0.01, 0.1, 1.0, 10.0]
+    layer = last_layer.ExactLastLayer(3, 3, prior_precision=0.37).fit((phi, y))
+    start = float(layer.log_marginal_likelihood())
+    layer.optimize_prior((phi, y), grid=grid)
+    scores = {
+        d: float(
+            last_layer.ExactLastLayer(3, 3, prior_precision=d)
+            .fit((phi, y))
+            .log_marginal_likelihood()
+        )
+        for d in [*grid, 0.37]
+    }
+    best = max(scores, key=scores.__getitem__)
+    assert layer.prior_precision == pytest.approx(best)
+    assert float(layer.log_marginal_likelihood()) == pytest.approx(scores[best], abs=1e-10)
+    assert scores[best] >= start
+    with pytest.raises(ValueError, match=r"data: ExactLastLayer\.optimize_prior refits"):
+        layer.optimize_prior()
+
+
+def test_gp_classifier_state_names_a_mismatched_setting() -> None:
+    torch.manual_seed(4)
+    x, y = torch.randn(10, 2, dtype=DT), torch.randint(0, 3, (10,))
+    gp = approx_likelihoods.GPClassifier()
+    gp.fit(x, y, max_iter=3)
+    other = approx_likelihoods.GPClassifier(hyperparameters="shared")
+    with pytest.raises(StateError, match="'hyperparameters'"):
+        other.load_state_dict(gp.state_dict())
+    with pytest.raises(RuntimeError, match=r"state_dict: call fit\(x, y\) first"):
+        approx_likelihoods.GPClassifier().state_dict()
+    # optimize_prior from the stored data does not lower the evidence
+    before = float(gp.log_marginal_likelihood())
+    gp.optimize_prior(max_iter=20)
+    assert float(gp.log_marginal_likelihood()) >= before
+
+
+def test_sampled_lla_seeded_sample_draws_distinct_fitted_samples() -> None:
+    model = _mlp(3)
+    x, y = torch.randn(10, 2, dtype=DT), torch.randint(0, 3, (10,))
+    post = gs.SampledLLA(model, "classification", 1.0, num_samples=8, solver="solve").fit((x, y))
+    everything = post.sample()
+    chosen = post.sample(5, torch.Generator().manual_seed(0))
+    again = post.sample(5, torch.Generator().manual_seed(0))
+    assert torch.equal(chosen, again)
+    rows = [int((everything == row).all(-1).nonzero()) for row in chosen]
+    assert len(set(rows)) == 5  # without replacement
+    assert torch.equal(post.sample(3), everything[:3])  # without a generator: the first S
+
+
+def test_vbll_head_samples_scatter_around_the_mean() -> None:
+    head = last_layer.VBLLDiscriminative(3, 4, 0.1).to(DT)
+    draws = head.sample(20000, torch.Generator().manual_seed(0))
+    mean = head.W().mean.detach().reshape(-1)
+    assert float((draws.mean(0) - mean).abs().max()) < 0.05
+
+
+def test_capabilities_and_declared_gaps() -> None:
+    assert capabilities(gs.Laplace) == frozenset(
+        {"fit", "predict", "sample", "log_marginal_likelihood", "optimize_prior"}
+        | {"state_dict", "load_state_dict"}
+    )
+    assert "sample" not in capabilities(gs.ELLA)
+    assert "log_marginal_likelihood" not in capabilities(gs.VOGGN)
+    assert "optimize_prior" in capabilities(last_layer.ExactLastLayer)
+    with pytest.raises(NotImplementedError, match=r"GLMVI\.log_marginal_likelihood: not supported"):
+        gs.GLMVI(_mlp(3), "classification").log_marginal_likelihood()

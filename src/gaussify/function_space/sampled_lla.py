@@ -49,7 +49,8 @@ from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import (
     LinkName,
     Predictive,
-    predictive_from_gaussian,
+    noise_variance,
+    posterior_predictive,
     predictive_from_samples,
 )
 from gaussify.state import (
@@ -534,21 +535,15 @@ class SampledLLA(DeclaredCapabilities):
         self._require_fit()
         check_inputs(x, self.model)
         num_samples = check_count(num_samples, "num_samples")
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        noise_var = noise_variance(self.task, self.sigma_noise)
         f_samples = self.predict_samples(x, chunk_size=chunk_size)
         if link == "mc":
             return predictive_from_samples(f_samples, self.task, noise_var=noise_var)
         f_mean = model_outputs(self.model, x)
         dev = f_samples - f_mean
         f_cov = torch.einsum("snc,snd->ncd", dev, dev) / dev.shape[0]
-        return predictive_from_gaussian(
-            f_mean,
-            f_cov,
-            self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+        return posterior_predictive(
+            f_mean, f_cov, self.task, self.sigma_noise, link, num_samples, generator
         )
 
     # ------------------------------------------------------------------ state

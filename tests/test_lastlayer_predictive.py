@@ -187,7 +187,7 @@ def test_chunked_feature_path(
     layer = la._output_layer
     _, phi = forward_with_features(model, x, layer)
     whole = la.posterior.functional_cov_lastlayer(phi, layer)
-    import gaussify.curvature.jacobian as jacobian_module
+    import gaussify.curvature.generic_jacobian as jacobian_module
 
     monkeypatch.setattr(jacobian_module, "DEFAULT_CHUNK_ELEMENTS", 50)  # ~1 sample a chunk
     torch.testing.assert_close(
@@ -345,7 +345,7 @@ def test_squared_vjp_sum_chunked_by_budget(budget: int | None) -> None:
 
 
 def test_graph_uses_count_each_parameter_use() -> None:
-    from gaussify.curvature.jacobian import _graph_uses
+    from gaussify.curvature.layer_traces import _graph_uses
 
     lin = nn.Linear(3, 3).to(DT)
     x = torch.randn(4, 3, dtype=DT)

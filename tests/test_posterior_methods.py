@@ -92,10 +92,16 @@ def test_gp_classifier_state_names_a_mismatched_setting() -> None:
         other.load_state_dict(gp.state_dict())
     with pytest.raises(RuntimeError, match=r"state_dict: call fit\(x, y\) first"):
         approx_likelihoods.GPClassifier().state_dict()
-    # optimize_prior from the stored data does not lower the evidence
+    # optimize_prior continues from the fitted hyperparameters (the data already set are
+    # kept, not reset to the defaults), so the evidence does not go down
     before = float(gp.log_marginal_likelihood())
-    gp.optimize_prior(max_iter=20)
+    lengthscale = gp.lengthscale.clone()
+    gp.optimize_prior((x, y), max_iter=20)
     assert float(gp.log_marginal_likelihood()) >= before
+    assert not torch.equal(gp.lengthscale, lengthscale)
+    fresh = approx_likelihoods.GPClassifier()
+    fresh.optimize_prior((x, y), max_iter=20)  # no data yet: set, then tuned
+    assert fresh.num_classes == 3
 
 
 def test_sampled_lla_seeded_sample_draws_distinct_fitted_samples() -> None:

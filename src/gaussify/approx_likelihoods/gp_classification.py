@@ -636,10 +636,11 @@ class GPClassifier(DeclaredCapabilities):
         tolerance_grad: float = 1e-7,
     ) -> GPClassifier:
         """Type-II maximum likelihood of the GP prior (the kernel's log lengthscales and log
-        variances): :meth:`optimize` from the current values, after :meth:`set_data` on
-        ``data = (x, y)`` when given (which starts from the default hyperparameters). The
-        evidence does not decrease from where it starts. Returns the classifier."""
-        if data is not None:
+        variances): :meth:`optimize` from the current values; ``data = (x, y)`` is set first
+        (:meth:`set_data`, default starting hyperparameters) when the classifier has no data
+        yet, as the other families fit first when not fitted. The evidence does not decrease
+        from where it starts. Returns the classifier."""
+        if data is not None and self._x is None:
             if not isinstance(data, tuple) or len(data) != 2:
                 raise TypeError("data: expected an (x, y) pair of tensors or None")
             self.set_data(*data)

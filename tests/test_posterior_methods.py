@@ -136,7 +136,7 @@ def test_sampled_lla_em_reaches_the_laplace_evidence_stationary_point() -> None:
     assert len(set(layered.prior_precision.tolist())) == 4
     with pytest.raises(ValueError, match="prior_precision: the EM update needs a scalar"):
         gs.SampledLLA(model, "classification", torch.ones(27, dtype=DT)).optimize_prior((x, y))
-    with pytest.raises(ValueError, match="data: SampledLLA.optimize_prior refits"):
+    with pytest.raises(ValueError, match=r"data: SampledLLA\.optimize_prior refits"):
         post.optimize_prior()
 
 

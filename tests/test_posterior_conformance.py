@@ -373,6 +373,24 @@ def test_evidence_finite_and_not_lowered_by_optimize_prior(case: Case) -> None:
     assert float(after) >= float(before) - 1e-8 * max(1.0, abs(float(before)))
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CASES
+        if "optimize_prior" in capabilities(c.cls)
+        and "log_marginal_likelihood" not in capabilities(c.cls)
+    ],
+    ids=_case_id,
+)
+def test_optimize_prior_without_an_evidence_returns_the_tuned_posterior(case: Case) -> None:
+    post, _model, data, x = _fitted(case, torch.float64)
+    before = post.prior_precision.clone()
+    assert post.optimize_prior(data, **case.optimize_args) is post
+    assert not torch.equal(post.prior_precision, before)
+    assert bool(torch.isfinite(_predict(case, post, x).f_mean).all())
+
+
 # ---------------------------------------------------------------------------- VBLL heads
 
 

@@ -157,3 +157,18 @@ def test_capabilities_and_declared_gaps() -> None:
     assert "optimize_prior" in capabilities(last_layer.ExactLastLayer)
     with pytest.raises(NotImplementedError, match=r"GLMVI\.log_marginal_likelihood: not supported"):
         gs.GLMVI(_mlp(3), "classification").log_marginal_likelihood()
+
+
+def test_hyperparameters_or_current_keeps_the_graph_and_the_current_values() -> None:
+    from gaussify.prior_tuning import hyperparameters_or_current
+
+    model = _mlp(3)
+    x, y = torch.randn(10, 2, dtype=DT), torch.randint(0, 3, (10,))
+    la = gs.Laplace(model, "classification", "full", prior_precision=0.5).fit((x, y))
+    prior, sigma = hyperparameters_or_current(la, None, None, DT)
+    assert prior is la.prior_precision and sigma is la.sigma_noise
+    wanted = torch.tensor(2.0, requires_grad=True)
+    prior, _ = hyperparameters_or_current(la, wanted, None, DT)
+    assert prior.dtype == DT and prior.device == la.prior_precision.device
+    prior.backward()
+    assert wanted.grad is not None  # the evidence stays differentiable in the prior

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,19 +75,22 @@ def noise_to_tune(tune_noise: bool | None, task: str, sigma_noise: Tensor) -> bo
 
 
 def hyperparameters_or_current(
+    owner: Any,
     prior_precision: Tensor | float | None,
     sigma_noise: Tensor | float | None,
-    current_prior: Tensor,
-    current_sigma: Tensor,
     dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(P0, sigma) at which to evaluate an evidence: the given values as ``dtype`` tensors
-    (keeping their graph, so the evidence is differentiable in them), else the current."""
+    """(P0, sigma) at which to evaluate ``owner``'s evidence: the given values as ``dtype``
+    tensors on ``device`` (default: the current prior's), keeping their graph so that the
+    evidence is differentiable in them; else ``owner.prior_precision`` / ``owner.sigma_noise``."""
+    prior, sigma = owner.prior_precision, owner.sigma_noise
+    where = {"dtype": dtype, "device": prior.device if device is None else device}
     if prior_precision is not None:
-        current_prior = torch.as_tensor(prior_precision, dtype=dtype)
+        prior = torch.as_tensor(prior_precision, **where)
     if sigma_noise is not None:
-        current_sigma = torch.as_tensor(sigma_noise, dtype=dtype)
-    return current_prior, current_sigma
+        sigma = torch.as_tensor(sigma_noise, **where)
+    return prior, sigma
 
 
 def maximise_evidence(

@@ -366,7 +366,7 @@ class ELLA(DeclaredCapabilities):
         self._require_fit()
         dtype = self._proj.dtype
         prior, sigma = hyperparameters_or_current(
-            prior_precision, sigma_noise, self.prior_precision, self.sigma_noise, dtype
+            self, prior_precision, sigma_noise, dtype, self._proj.device
         )
         a, s, const = self._posterior_terms(prior, sigma)
         st = self._stats

@@ -417,7 +417,7 @@ class FunctionalLaplace:
         self, prior_precision: Tensor | float | None, sigma_noise: Tensor | float | None
     ) -> tuple[Tensor, Tensor]:
         return hyperparameters_or_current(
-            prior_precision, sigma_noise, self.prior_precision, self.sigma_noise, self._f.dtype
+            self, prior_precision, sigma_noise, self._f.dtype, self._f.device
         )
 
     def log_marginal_likelihood(

@@ -420,7 +420,7 @@ class Laplace(DenseViews):
         self._require_fit()
         dtype = self.mean.dtype
         prior, sigma = hyperparameters_or_current(
-            prior_precision, sigma_noise, self.prior_precision, self.sigma_noise, dtype
+            self, prior_precision, sigma_noise, dtype, self.mean.device
         )
         result = fitted_log_evidence(self, prior, sigma)
         value = result.value

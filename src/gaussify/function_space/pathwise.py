@@ -83,9 +83,10 @@ def pathwise_sample(
     (NK, NK) in (n, k) order. ``e`` is drawn before ``xi`` from ``generator``."""
     dtype = theta_star.dtype
     n, _, k = lam_sqrt.shape
-    e = torch.randn(num_samples, prior.shape[0], generator=generator, dtype=dtype)
+    device = theta_star.device  # drawn where the generator lives, then moved
+    e = torch.randn(num_samples, prior.shape[0], generator=generator, dtype=dtype).to(device)
     e = e / prior.sqrt()
-    xi = torch.randn(num_samples, n * k, generator=generator, dtype=dtype)
+    xi = torch.randn(num_samples, n * k, generator=generator, dtype=dtype).to(device)
     with torch.no_grad():
         je = batched_jvp(model, x, subset, e)  # (S, N, C)
         rhs = torch.einsum("nck,snc->snk", lam_sqrt, je).reshape(num_samples, n * k) + xi

@@ -28,6 +28,6 @@ def sample_columns(
             "refit the layer (or use a larger prior precision)"
         )
     d, k = mean.shape
-    eps = torch.randn(num_samples, k, d, generator=generator, dtype=mean.dtype)
+    eps = torch.randn(num_samples, k, d, generator=generator, dtype=mean.dtype).to(mean.device)
     columns = mean.T + torch.einsum("kde,ske->skd", chol, eps)  # (S, K, D')
     return columns.transpose(1, 2).reshape(num_samples, d * k)

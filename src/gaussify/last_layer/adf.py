@@ -20,14 +20,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from gaussify.approx_likelihoods.pseudo_targets import check_labels
 from gaussify.batches import Batches
+from gaussify.last_layer.columns import sample_columns
 from gaussify.last_layer.exact import augment, check_features
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
     Choice,
@@ -54,13 +56,21 @@ def adf_moments(a: Tensor, s: Tensor, y: int, eps: Tensor) -> tuple[Tensor, Tens
     return log_z.detach(), grad_a, grad_s
 
 
-class ADFLastLayer:
+class ADFLastLayer(DeclaredCapabilities):
     """ADF for the softmax last layer with a full Gaussian per output (Sec. 4.3 baseline).
 
     ``prior_precision`` delta of ``N(0, I/delta)`` per column; ``num_samples`` Monte Carlo
     samples for ``log Z``; ``damping`` in (0, 1]; ``min_ratio`` the smallest factor the
     variance along a point may shrink by in one update; ``generator`` for the samples.
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "ADF projects after every point (with damping and a floor "
+        "on the variance), so its one-step normalisers are no estimate of log p(D) that "
+        "tuning could trust; use ExactLastLayer.log_marginal_likelihood",
+        "optimize_prior": "ADF has no evidence to maximise; choose the prior with "
+        "ExactLastLayer.optimize_prior on the same features and pass it in",
+    }
 
     def __init__(
         self, in_features: int, num_classes: int, *, prior_precision: float = 1.0,
@@ -169,10 +179,19 @@ class ADFLastLayer:
             }
         )
 
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws of the weights W ~ q(W) (columns independent Gaussians), (S, D' K) in the
+        row-major order of :attr:`mean` (D', K)
+        (:func:`gaussify.last_layer.columns.sample_columns`)."""
+        num_samples = check_count(num_samples, "num_samples")
+        return sample_columns(self.mean, self.covariance, num_samples, generator)
+
     @transactional
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Restore :meth:`state_dict`; the whole state is validated first
-        (:mod:`gaussify.state`) and a failed load changes nothing."""
+        (:mod:`gaussify.state`) and a failed load changes nothing. ``strict`` is accepted for
+        the posterior protocol: a layer on features holds no network weights to compare, so
+        the state is always checked in full."""
         d, k, dt = self.num_features, self.num_classes, self.dtype
         schema = {
             "task": Maybe(Choice((self.task,), "the task of this layer")),

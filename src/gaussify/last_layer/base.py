@@ -224,6 +224,22 @@ class VBLLHead(nn.Module, ABC):
     def forward(self, phi: Tensor) -> VBLLOutput:
         return VBLLOutput(self, self.check_features(phi))
 
+    # ---- the trained-posterior protocol (gaussify.posterior.TrainedPosterior) ------------
+
+    def predict(self, phi: Tensor) -> Predictive:
+        """The posterior predictive at features ``phi (N, in_features)`` as a
+        :class:`~gaussify.Predictive` (``head(phi).to_predictive()``)."""
+        return self.to_predictive(self.check_features(phi))
+
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws W_s ~ q(W) of the head's Gaussian weights (``W()``: R rows of length D, the
+        class means of the generative head), flattened to (S, R D) in row-major order
+        (``.reshape(S, R, D)`` gives the matrices); no gradient flows to the head."""
+        num_samples = check_count(num_samples, "num_samples")
+        with torch.no_grad():
+            draws = self.W().rsample((num_samples,), generator)
+        return draws.reshape(num_samples, -1)
+
     # ---- the Gaussian layers q(W) (and q(M), q(mu)) ---------------------------------------
 
     def add_gaussian_rows(

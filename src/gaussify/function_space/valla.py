@@ -61,7 +61,7 @@ from gaussify import state as st
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, model_outputs
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
-from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
+from gaussify.function_space.pathwise import batched_jvp, batched_vjp
 from gaussify.function_space.valla_kernel import InducingKernel
 from gaussify.function_space.valla_objective import (
     decoupled_kl,

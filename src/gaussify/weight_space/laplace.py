@@ -67,6 +67,7 @@ from gaussify.tuning import (
     TuningResult,
     check_choice,
     check_tuning_arguments,
+    decomposition_stage,
     grid_search,
     prior_from_weights,
     residual_rms,
@@ -705,6 +706,7 @@ class Laplace:
         grid: Tensor | Sequence[float] | None = None,
         optimizer: Optimizer = "lbfgs",
         fixed_steps: bool = False,
+        progress: bool = False,
     ) -> Laplace:
         """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
         by :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
@@ -715,7 +717,10 @@ class Laplace:
         the current value (laplace-torch's tuning). The outcome is kept in :attr:`tuning_result`;
         ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
         prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
-        per call); elsewhere each call differentiates the dense evidence with autograd."""
+        per call); elsewhere each call differentiates the dense evidence with autograd.
+        ``progress=True`` shows the stages on ``tqdm`` bars: the factorisation of the
+        curvature (e.g. a full GGN's ``eigvalsh``, or ``eigh`` when the non-MAP correction
+        needs eigenvectors) and the evidence evaluations."""
         n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))
@@ -728,7 +733,8 @@ class Laplace:
             raise ValueError("tune_noise: only a regression likelihood has noise to tune")
         dtype = self.mean.dtype
         if method == "grid":
-            closed = self.spectrum("scalar", tune_noise=False)
+            with decomposition_stage(self._curvature, self.correction, progress):
+                closed = self.spectrum("scalar", tune_noise=False)
             result = grid_search(closed or self.log_marginal_likelihood, grid, dtype)
             self.prior_precision, self.tuning_result = result.prior_precision, result
             return self
@@ -739,7 +745,8 @@ class Laplace:
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
-        spec = self.spectrum(granularity, tune_noise=tune_noise)
+        with decomposition_stage(self._curvature, self.correction, progress):
+            spec = self.spectrum(granularity, tune_noise=tune_noise)
 
         def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
             prior = prior.squeeze(0) if granularity == "scalar" else prior
@@ -757,6 +764,7 @@ class Laplace:
             fixed_steps=fixed_steps,
             noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
             caller="Laplace.optimize_prior",
+            progress=progress,
         )
         prior = result.prior_precision
         self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior

@@ -180,11 +180,13 @@ class ELLA:
         self.eig_tol = eig_tol
         self.chunk_size = chunk_size
         self.route: Route = route
-        dtype = next(model.parameters()).dtype
-        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        dtype = first.dtype
+        prior = torch.as_tensor(prior_precision, dtype=dtype, device=first.device)
+        prior = check_prior(prior).clone()
         expand_prior(prior, self.subset)
         self.prior_precision = prior
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, first.device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False
@@ -348,15 +350,13 @@ class ELLA:
         """Laplace-GGN log evidence with the Nystrom kernel (module docstring), differentiable
         in a scalar prior precision and the regression noise."""
         self._require_fit()
-        dtype = self._proj.dtype
+        dd = {"dtype": self._proj.dtype, "device": self._proj.device}
         prior = (
             self.prior_precision
             if prior_precision is None
-            else torch.as_tensor(prior_precision, dtype=dtype)
+            else torch.as_tensor(prior_precision, **dd)
         )
-        sigma = (
-            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
-        )
+        sigma = self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, **dd)
         a, s, const = self._posterior_terms(prior, sigma)
         st = self._stats
         outputs = int(st["sse"].numel()) if self.task == "regression" else 1
@@ -375,7 +375,7 @@ class ELLA:
         )
         if result.dropped:
             warn_dropped_correction(result, self, self._stats)
-        value = result.value.to(dtype)
+        value = result.value.to(dd["dtype"])
         if not torch.isfinite(value):
             raise FloatingPointError(
                 f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"

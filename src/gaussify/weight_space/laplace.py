@@ -172,6 +172,12 @@ class Laplace:
     # Setting any of them drops the cached posterior precision (built lazily from them), so
     # predict / sample / posterior_* after a change use the new values.
     @property
+    def _device(self) -> torch.device:
+        """The model's device (where its first parameter lives): every tensor of the fit and
+        the predictive is created there."""
+        return next(self.model.parameters()).device
+
+    @property
     def prior_precision(self) -> Tensor:
         """Prior precision P0: a scalar, one per parameter tensor, or one per parameter."""
         return self._prior_precision
@@ -201,7 +207,7 @@ class Laplace:
 
     @prior_mean.setter
     def prior_mean(self, value: float | Tensor) -> None:
-        m0 = torch.as_tensor(value, dtype=self._dtype).detach()
+        m0 = torch.as_tensor(value, dtype=self._dtype, device=self._device).detach()
         p = self.subset.num_params
         if m0.ndim == 1 and m0.numel() > 1 and m0.stride(0) == 0:
             m0 = m0[0]  # a broadcast scalar (e.g. a saved scalar prior mean) stays one number
@@ -242,12 +248,12 @@ class Laplace:
         self._posterior = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=self._device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
     def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
-        return check_sigma_noise(sigma, self.task, self._dtype).clone()
+        return check_sigma_noise(sigma, self.task, self._dtype, self._device).clone()
 
     # ------------------------------------------------------------------ fitting
 
@@ -322,9 +328,9 @@ class Laplace:
             generator=self.generator,
             **self.curvature_options,
         )
-        log_lik = torch.zeros((), dtype=self._dtype)
+        log_lik = torch.zeros((), dtype=self._dtype, device=self._device)
         # the mean is not read here: before the first fit it is built on demand (P numbers)
-        grad = torch.zeros(self.subset.num_params, dtype=self._dtype)
+        grad = torch.zeros(self.subset.num_params, dtype=self._dtype, device=self._device)
         sse: Tensor | None = None
         num_data = 0
         iterator = batches
@@ -380,7 +386,7 @@ class Laplace:
         (softmax, one-hot, residual) of a many-class batch stay about as large as the
         parameter vector."""
         assert self._output_layer is not None
-        log_lik = torch.zeros((), dtype=grad.dtype)
+        log_lik = torch.zeros((), dtype=grad.dtype, device=grad.device)
         budget = max(self.subset.num_params, MIN_CHUNK_ELEMENTS)
         for sl in chunk_slices(f.shape[0], max(1, budget // (8 * f.shape[1]))):
             log_lik += self.likelihood.log_prob(f[sl], y[sl]).sum()
@@ -518,7 +524,7 @@ class Laplace:
         prior_vec = expand_prior(self.prior_precision, self.subset).to(self.mean.dtype)
 
         def log_joint(step: Tensor) -> float:
-            total = torch.zeros((), dtype=self.mean.dtype)
+            total = torch.zeros((), dtype=self.mean.dtype, device=self.mean.device)
             for x, y in batches:
                 total += self.likelihood.log_prob(self._linearised_outputs(x, step)[0], y).sum()
             theta = self.theta_star + step - self.prior_mean
@@ -591,7 +597,8 @@ class Laplace:
         """Multiplier of the fitted G: 1/T, times sigma_fit^2 / sigma^2 for regression (the
         GGN of a Gaussian likelihood is proportional to 1/sigma^2)."""
         if self.task != "regression":
-            return torch.as_tensor(1.0 / self.temperature, dtype=self.mean.dtype)
+            mean = self.mean
+            return torch.as_tensor(1.0 / self.temperature, dtype=mean.dtype, device=mean.device)
         ratio = self._sigma_fit.square() / sigma_noise.square()
         if ratio.ndim > 0 and not torch.allclose(ratio, ratio.reshape(-1)[0].expand_as(ratio)):
             raise ValueError(
@@ -680,10 +687,12 @@ class Laplace:
         prior = (
             self.prior_precision
             if prior_precision is None
-            else torch.as_tensor(prior_precision, dtype=dtype)
+            else torch.as_tensor(prior_precision, dtype=dtype, device=self.mean.device)
         )
         sigma = (
-            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
+            self.sigma_noise
+            if sigma_noise is None
+            else torch.as_tensor(sigma_noise, dtype=dtype, device=self.mean.device)
         )
         result = fitted_log_evidence(self, prior, sigma)
         value = result.value

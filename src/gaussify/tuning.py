@@ -583,9 +583,9 @@ def _tune(
     sigma = None
     if tune_noise:
         assert sigma_init is not None
-        sigma = torch.as_tensor(math.exp(opt.x[k]), dtype=sigma_init.dtype).reshape(
-            sigma_init.shape
-        )
+        sigma = torch.as_tensor(
+            math.exp(opt.x[k]), dtype=sigma_init.dtype, device=sigma_init.device
+        ).reshape(sigma_init.shape)
     grad_norm = float(np.max(np.abs(opt.grad))) if opt.grad.size else 0.0
     result = TuningResult(
         prior_precision=prior.reshape(prior_init.shape),

@@ -26,6 +26,7 @@ import torch
 
 import gaussify as gs
 import gaussify.weight_space.laplace as laplace_module
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.experiments.function_space_images import make_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +47,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ds = gs.data.load("mnist", seed=0, dtype=torch.float64, max_train=1000)
-    x, y = ds.x_train.flatten(1), ds.y_train
-    xt = ds.x_test[: args.chunk].flatten(1)
-    model = make_mlp(x.shape[1], 100, 10).eval()
+    x, y = ds.x_train.flatten(1).to(args.device), ds.y_train.to(args.device)
+    xt = ds.x_test[: args.chunk].flatten(1).to(args.device)
+    model = make_mlp(x.shape[1], 100, 10).eval().to(args.device)
     num_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     la = gs.Laplace(model, "classification", "kron", "all").fit((x, y), batch_size=256)
@@ -63,6 +65,7 @@ def main() -> None:
         for key in samples:
             t0 = time.perf_counter()
             preds[key] = predict(la, xt, key == "dense")
+            synchronize(args.device)
             samples[key].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in samples.items()}
     ref = preds["dense"]
@@ -74,6 +77,7 @@ def main() -> None:
         "num_params": num_params,
         "chunk": int(xt.shape[0]),
         "threads": args.threads,
+        "device": str(args.device),
         "torch": torch.__version__,
         "repeats": args.repeats,
         "fit_s": fit_s,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from gaussify.cli_args import add_device_argument
 from gaussify.last_layer.exact import ExactLastLayer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +118,12 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/streaming_update.json"
     )
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        # ExactLastLayer builds its state from sizes and a dtype on the host (no device
+        # argument yet; see tests/test_device_rules.py, NODEVICE)
+        parser.error(f"--device {args.device}: ExactLastLayer runs on the CPU only")
     torch.set_num_threads(args.threads)
     widths = (64, 256) if args.quick else (64, 256, 512)
     batches = (1, 10, 100)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.experiments.vbll_uci import make_body
 from gaussify.last_layer import VBLLRegression
 
@@ -78,30 +79,39 @@ def _moments(head: nn.Module, phi: Tensor) -> tuple[Tensor, Tensor, float]:
     return pred.mean, pred.variance, float(head.noise().variance.squeeze())
 
 
-def load(name: str, seed: int) -> dict[str, Tensor]:
+def load(name: str, seed: int, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     base, _, rows = name.partition("/")
     ds = gs.data.load(base, seed=seed)
     x, y = ds.x_train, ds.y_train
     if rows:
         x, y = x[: int(rows)], y[: int(rows)]
-    return {"x": x, "y": y, "x_test": ds.x_test, "y_test": ds.y_test}
+    out = {"x": x, "y": y, "x_test": ds.x_test, "y_test": ds.y_test}
+    return {k: v.to(device) for k, v in out.items()}
 
 
-def run_one(name: str, seed: int, method: str, epochs: int, batch: int = 32) -> dict[str, Any]:
-    data = load(name, seed)
+def run_one(
+    name: str,
+    seed: int,
+    method: str,
+    epochs: int,
+    batch: int = 32,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    data = load(name, seed, device)
     x, y = data["x"], data["y"]
     torch.manual_seed(seed)
-    body = make_body(x.shape[1], WIDTH)
-    head = make_head(method, len(x))
+    body = make_body(x.shape[1], WIDTH).to(x.device)
+    head = make_head(method, len(x)).to(x.device)
     params = [*body.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     for _ in range(epochs):
-        for idx in torch.randperm(len(x), generator=gen).split(batch):
+        for idx in torch.randperm(len(x), generator=gen).to(x.device).split(batch):
             opt.zero_grad(set_to_none=True)
             head(body(x[idx])).train_loss_fn(y[idx]).backward()
             opt.step()
+    synchronize(x.device)
     seconds = time.perf_counter() - start
     with torch.no_grad():
         phi_test = body(data["x_test"])
@@ -179,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", nargs="+", type=Path, default=None, help="combine the records of earlier runs"
     )
+    add_device_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in [] if args.merge else args.datasets:
         for method in args.methods:
             for seed in range(args.first_seed, args.first_seed + args.seeds):
-                rec = run_one(name, seed, method, args.epochs)
+                rec = run_one(name, seed, method, args.epochs, device=args.device)
                 records.append(rec)
                 print(
                     f"{name:14s} {method:16s} seed {seed}: NLL {rec['test_nll']:8.3f} "

@@ -22,9 +22,15 @@ which delegate fitting and prediction to the families checked here), ``plots.py`
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
 from pathlib import Path
+
+import pytest
+import torch
+
+from gaussify.cli_args import add_device_argument, device_argument
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gaussify"
 EXCLUDED = ("experiments/", "compat/", "data/", "plots.py", "demo.py", "cli.py", "cli_args.py")
@@ -332,3 +338,44 @@ def test_the_scanner_catches_what_it_should(tmp_path: Path) -> None:
         ("M.fit", ".numpy()", 11),
         ("M.fit", "torch.zeros", 4),
     ]
+
+
+# ---------------------------------------------------------------------------- benchmarks
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _takes_device(tree: ast.Module) -> bool:
+    """Whether a script's argument parser gets ``--device``: a call
+    ``add_device_argument(parser)`` or ``parser.add_argument("--device", ...)``."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _called_name(node)
+        if name == "add_device_argument":
+            return True
+        if name == "add_argument" and any(
+            isinstance(a, ast.Constant) and a.value == "--device" for a in node.args
+        ):
+            return True
+    return False
+
+
+def test_every_benchmark_script_takes_device() -> None:
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert scripts
+    missing = [p.name for p in scripts if not _takes_device(ast.parse(p.read_text()))]
+    assert not missing, f"benchmarks without a --device argument: {missing}"
+
+
+def test_device_argument_parses_and_refuses() -> None:
+    parser = argparse.ArgumentParser()
+    add_device_argument(parser)
+    assert parser.parse_args([]).device == torch.device("cpu")
+    assert parser.parse_args(["--device", "cpu"]).device == torch.device("cpu")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a torch device: 'gpu0'"):
+        device_argument("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            argparse.ArgumentTypeError, match="'cuda': CUDA is not available on this machine"
+        ):
+            device_argument("cuda")

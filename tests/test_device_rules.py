@@ -155,6 +155,9 @@ KRON = (
 )
 ACTIVE = "active learning pool bookkeeping (host indices of a pool)"
 INPUT_CHECK = "conversion of a user-given argument inside its check"
+MODULE_INIT = (
+    "the initial value of an nn.Module parameter, set at construction (moved by Module.to)"
+)
 
 #: (function qualname, call) -> (occurrences allowed, reason)
 ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
@@ -221,10 +224,20 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("SampledLLA._curvature_bound", "torch.randn"): (1, HOST_DRAW),
     ("SampledLLA._iter_batches", "torch.arange"): (1, ORDER),
     ("SampledLLA._iter_batches", "torch.randperm"): (1, ORDER),
+    # function_space/valla_kernel.py
+    ("InducingKernel._inputs_for_kmeans", "torch.randperm"): (1, HOST_OPT),
+    ("InducingKernel._kmeans", ".cpu()"): (1, HOST_OPT),
+    ("InducingKernel._kmeans", ".numpy()"): (1, HOST_OPT),
+    # last_layer/base.py, vbll_*.py: initial values of head parameters
+    ("VBLLHead.random_rows", "torch.randn"): (1, MODULE_INIT),
+    ("VBLLGenerative.__init__", "torch.randn"): (1, MODULE_INIT),
+    ("VBLLHeteroscedasticDiscriminative.__init__", "torch.zeros"): (1, MODULE_INIT),
+    ("VBLLHeteroscedasticRegression.__init__", "torch.zeros"): (1, MODULE_INIT),
+    # weight_space/laplace_evidence.py
+    ("prior_groups", "torch.arange"): (2, INDEX),
+    ("prior_groups", "torch.tensor"): (1, INDEX),
+    ("prior_groups", "torch.zeros"): (1, INDEX),
     # function_space/valla.py
-    ("VaLLA._inputs_for_kmeans", "torch.randperm"): (1, HOST_OPT),
-    ("VaLLA._kmeans", ".cpu()"): (1, HOST_OPT),
-    ("VaLLA._kmeans", ".numpy()"): (1, HOST_OPT),
     ("VaLLA.sample", "torch.randn"): (2, HOST_DRAW),
     # last_layer/active.py
     ("ActiveLearner.__init__", ".tolist()"): (1, ACTIVE),
@@ -269,9 +282,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("grid_search", ".cpu()"): (1, HOST_OPT),
     ("grid_search", ".numpy()"): (1, HOST_OPT),
     # weight_space/laplace.py
-    ("Laplace._prior_groups", "torch.arange"): (2, INDEX),
-    ("Laplace._prior_groups", "torch.tensor"): (1, INDEX),
-    ("Laplace._prior_groups", "torch.zeros"): (1, INDEX),
     ("Laplace.log_marginal_likelihood", ".item()"): (1, MESSAGE),
     # weight_space/ngvi.py
     ("NaturalGradientVI.load_state_dict", "torch.as_tensor"): (1, COUNT),

@@ -137,7 +137,8 @@ HOST_DRAW = (
 )
 NODEVICE = (
     "state of a feature-space model built from sizes and a dtype (no model to take a device "
-    "from) on the host; its update methods run on the host (follow-up: a device argument)"
+    "from) on the host; its update methods run on the host (follow-up: a device argument, as "
+    "ExactLastLayer has)"
 )
 INPUT = (
     "a conversion of a user-given number/array to a tensor; the caller moves it (checked by the"
@@ -252,11 +253,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("ADFLastLayer.update", ".tolist()"): (1, NODEVICE),
     ("SGDLastLayer.reset", "torch.zeros"): (1, NODEVICE),
     # last_layer/exact.py
-    ("ExactLastLayer.elbo", "torch.eye"): (1, NODEVICE),
-    ("ExactLastLayer.elbo", "torch.randn"): (1, NODEVICE),
-    ("ExactLastLayer.reset", "torch.eye"): (1, NODEVICE),
-    ("ExactLastLayer.reset", "torch.zeros"): (5, NODEVICE),
-    ("ExactLastLayer.tune_alpha_eps", "torch.randn"): (1, NODEVICE),
+    ("ExactLastLayer.elbo", "torch.randn"): (1, HOST_DRAW),
     # likelihoods.py
     ("Gaussian.__init__", "torch.as_tensor"): (1, INPUT),
     ("check_sigma_noise", ".tolist()"): (1, MESSAGE),

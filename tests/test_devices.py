@@ -145,3 +145,28 @@ def test_fit_and_predict_on_the_model_device(case: str, device: str) -> None:
         torch.testing.assert_close(
             value.cpu(), reference[name], rtol=1e-8, atol=1e-10, msg=f"{case}: {name}"
         )
+
+
+def _exact(device: str) -> Callable:
+    def run(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        phi = model[:2](x).detach()
+        layer = last_layer.ExactLastLayer(H, C, device=phi.device).fit((phi, y))
+        pred = layer.predict(phi, link="mc", generator=torch.Generator().manual_seed(0))
+        return {**_outputs(pred), "evidence": layer.log_marginal_likelihood()}
+
+    return run
+
+
+def test_exact_last_layer_on_the_device(device: str) -> None:
+    model, x, y = _problem("clf")
+    reference = _exact("cpu")(copy.deepcopy(model), x, y)
+    got = _exact(device)(copy.deepcopy(model).to(device), x.to(device), y.to(device))
+    for name, value in got.items():
+        assert value.device.type == torch.device(device).type, name
+        torch.testing.assert_close(value.cpu(), reference[name], rtol=1e-8, atol=1e-10)
+
+
+def test_exact_last_layer_refuses_features_elsewhere() -> None:
+    layer = last_layer.ExactLastLayer(H, C, device="meta")
+    with pytest.raises(ValueError, match=r"phi: is on cpu, the layer's posterior is on meta"):
+        layer.update(torch.zeros(2, H, dtype=DT), torch.tensor([0, 1]))

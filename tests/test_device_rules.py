@@ -156,6 +156,7 @@ KRON = (
 )
 ACTIVE = "active learning pool bookkeeping (host indices of a pool)"
 INPUT_CHECK = "conversion of a user-given argument inside its check"
+GRID = "a grid of scalar hyperparameter values on the host, each read as a Python float"
 MODULE_INIT = (
     "the initial value of an nn.Module parameter, set at construction (moved by Module.to)"
 )
@@ -238,6 +239,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("prior_groups", "torch.arange"): (2, INDEX),
     ("prior_groups", "torch.tensor"): (1, INDEX),
     ("prior_groups", "torch.zeros"): (1, INDEX),
+    ("SampledLLA.sample", "torch.randperm"): (1, ORDER),
     # function_space/valla.py
     ("VaLLA.sample", "torch.randn"): (2, HOST_DRAW),
     # last_layer/active.py
@@ -253,6 +255,8 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("ADFLastLayer.update", ".tolist()"): (1, NODEVICE),
     ("SGDLastLayer.reset", "torch.zeros"): (1, NODEVICE),
     # last_layer/exact.py
+    ("ExactLastLayer.optimize_prior", "torch.logspace"): (1, GRID),
+    ("ExactLastLayer.optimize_prior", "torch.tensor"): (1, GRID),
     ("ExactLastLayer.elbo", "torch.randn"): (1, HOST_DRAW),
     # likelihoods.py
     ("Gaussian.__init__", "torch.as_tensor"): (1, INPUT),

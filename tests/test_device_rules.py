@@ -185,7 +185,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # curvature/full.py
     ("FullGGN.state_dict", "torch.tensor"): (1, COUNT),
     # curvature/kron.py
-    ("KronGGN._block_index", "torch.arange"): (2, KRON),
+    ("block_index", "torch.arange"): (2, KRON),  # curvature/kron_modules.py
     ("KronGGN.state_dict", "torch.tensor"): (1, COUNT),
     # curvature/lowrank.py
     ("LowRankGGN.state_dict", "torch.tensor"): (1, COUNT),

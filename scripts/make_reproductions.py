@@ -159,9 +159,9 @@ def verdict(result: Result, group: list[Result]) -> tuple[str, str]:
         diff = abs(result.ours - paper)
         tol = max(row.get("paper_error") or 0.0, result.ours_error or 0.0)
         if diff <= tol:
-            return "reproduced", f"|diff| {_fmt(diff)} within error {_fmt(tol)}"
+            return "reproduced", f"difference {_fmt(diff)} within error {_fmt(tol)}"
         if diff <= RELATIVE_TOLERANCE * abs(paper):
-            return "reproduced", f"|diff| {_fmt(diff)} within 10 %"
+            return "reproduced", f"difference {_fmt(diff)} within 10 %"
     held, broken = [], []
     for text, holds in result.claims_checked:
         (held if holds else broken).append(f"claim {text}")

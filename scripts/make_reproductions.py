@@ -252,6 +252,14 @@ def _ours_cell(res: Result) -> str:
     return text
 
 
+def _protocol_cell(row: dict[str, Any], files: dict[str, str]) -> str:
+    text = row.get("protocol", "")
+    if row.get("ours") and not row.get("missing"):
+        status = files[row["ours"].partition(":")[0]]
+        text = f"{text}. Result file: {status}" if text else f"Result file: {status}"
+    return text
+
+
 def _source_cell(row: dict[str, Any]) -> str:
     if not row.get("ours") or row.get("missing"):
         return ""
@@ -259,7 +267,9 @@ def _source_cell(row: dict[str, Any]) -> str:
     return f"`{row['ours']}`{scale}"
 
 
-def render(results: list[Result], papers: dict[str, dict[str, str]], vbll: str) -> str:
+def render(
+    results: list[Result], papers: dict[str, dict[str, str]], files: dict[str, str], vbll: str
+) -> str:
     """The markdown page."""
     counts = Counter(r.verdict for r in results)
     lines = [
@@ -320,12 +330,22 @@ def render(results: list[Result], papers: dict[str, dict[str, str]], vbll: str) 
                 _ours_cell(res),
                 f"**{res.verdict}**",
                 res.basis,
-                row.get("protocol", ""),
+                _protocol_cell(row, files),
                 _source_cell(row),
             ]
             lines.append(
                 "| " + " | ".join(_cell(c) if i != 11 else c for i, c in enumerate(cells)) + " |"
             )
+    lines += [
+        "",
+        "## Result files",
+        "",
+        "Whether each result file behind the rows was rerun on the current code:",
+        "",
+        "| file | status |",
+        "|---|---|",
+    ]
+    lines += [f"| `{name}` | {_cell(status)} |" for name, status in files.items()]
     lines += ["", vbll.rstrip(), ""]
     return "\n".join(lines)
 
@@ -402,7 +422,13 @@ def build(values: Path = VALUES, results: Path = RESULTS) -> str:
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         raise ValueError(f"paper_values: duplicate row ids {dup}")
-    return render(evaluate(data["rows"], results), data["papers"], vbll_section(results))
+    files = {row["ours"].partition(":")[0] for row in data["rows"] if row.get("ours")}
+    unknown = sorted(files - set(data["results"]))
+    if unknown:
+        raise ValueError(f"paper_values: results: no rerun status for {unknown}")
+    return render(
+        evaluate(data["rows"], results), data["papers"], data["results"], vbll_section(results)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,10 @@ def test_the_table_covers_the_five_papers_with_stated_sources() -> None:
         if row.get("paper_value") is None and not row.get("missing"):
             assert row.get("paper_note") and row.get("claim"), row["id"]
         assert row.get("compare", "value") in ("value", "ordering"), row["id"]
+    # every result file a row points into says whether it was rerun on the current code
+    pointed = {r["ours"].partition(":")[0] for r in rows if r.get("ours")}
+    assert pointed <= set(data["results"])
+    assert all((mr.RESULTS / name).is_file() for name in data["results"])
 
 
 def _write(tmp: Path, rows: list[dict[str, Any]]) -> list[Any]:

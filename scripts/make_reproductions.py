@@ -350,6 +350,32 @@ def render(
     return "\n".join(lines)
 
 
+def _paired_row(
+    name: str, head: str, ours: dict[int, float], best_name: str, best: dict[int, float]
+) -> str:
+    """One row of the paired comparison ``head`` vs the package's best ``wishart_scale``."""
+    seeds = sorted(set(ours) & set(best))
+    diffs = [ours[s] - best[s] for s in seeds]
+    mean = sum(diffs) / len(diffs)
+    se = (
+        math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+        if len(diffs) > 1
+        else math.nan
+    )
+    if mean <= 0:
+        word = "ours at least as good"
+    elif mean <= se:
+        word = "ours worse, within one standard error"
+    else:
+        word = f"ours worse ({sum(d > 0 for d in diffs)} of {len(diffs)} seeds)"
+    label = name if head == "gaussify" else f"{name} (`{head}`)"
+    return (
+        f"| {label} | {len(seeds)} | {_fmt(sum(ours[s] for s in seeds) / len(seeds))} | "
+        f"`{best_name}` | {_fmt(sum(best[s] for s in seeds) / len(seeds))} | "
+        f"{_fmt(mean)} ± {se:.2g} | {word} |"
+    )
+
+
 def vbll_section(results: Path = RESULTS) -> str:
     """Our ``VBLLRegression`` at its defaults vs the ``vbll`` package at its best
     ``wishart_scale`` on the issue-19 protocol (``benchmarks/vbll_regression_protocol.py``)."""
@@ -374,27 +400,11 @@ def vbll_section(results: Path = RESULTS) -> str:
     for (name, method), row in rows.items():
         if method != "summary":
             continue
-        ours = per_seed[(name, "gaussify")]
         best = per_seed[(name, row["best_vbll"])]
-        seeds = sorted(set(ours) & set(best))
-        diffs = [ours[s] - best[s] for s in seeds]
-        mean = sum(diffs) / len(diffs)
-        se = (
-            math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-            if len(diffs) > 1
-            else math.nan
-        )
-        if mean <= 0:
-            word = "ours at least as good"
-        elif mean <= se:
-            word = "ours worse, within one standard error"
-        else:
-            word = f"ours worse ({sum(d > 0 for d in diffs)} of {len(diffs)} seeds)"
-        lines.append(
-            f"| {name} | {len(seeds)} | {_fmt(sum(ours[s] for s in seeds) / len(seeds))} | "
-            f"`{row['best_vbll']}` | {_fmt(sum(best[s] for s in seeds) / len(seeds))} | "
-            f"{_fmt(mean)} ± {se:.2g} | {word} |"
-        )
+        for head in ("gaussify", "gaussify_wstd1", "gaussify_vbllinit"):
+            if (name, head) in per_seed:
+                ours = per_seed[(name, head)]
+                lines.append(_paired_row(name, head, ours, row["best_vbll"], best))
     lines += [
         "",
         "Every head of the benchmark (`gaussify_prior1`: the pre-issue-19 prior variance 1; "

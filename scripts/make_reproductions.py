@@ -22,7 +22,9 @@ The verdict rule (:func:`verdict`), per row:
   is contradicted when our two values are in the opposite order by more than the sum of our
   standard errors (claims are checked strictly, without errors).
   **qualitative**: at least one ordering and none contradicted; **off**: an ordering
-  contradicted, or no ordering to check.
+  contradicted. A same-data-set row with no ordering to check is qualitative when ours is
+  better than the paper's value (in the metric's direction ``better``) and off when worse;
+  a substitute-data-set row with no ordering to check is off.
 """
 
 from __future__ import annotations
@@ -187,6 +189,18 @@ def verdict(result: Result, group: list[Result]) -> tuple[str, str]:
         return "off", "contradicted: " + "; ".join(broken)
     if held:
         return "qualitative", "ordering holds: " + "; ".join(held)
+    better = row.get("better")
+    same_data = row.get("compare", "value") == "value"
+    if (
+        same_data
+        and paper is not None
+        and result.ours is not None
+        and better in ("lower", "higher")
+    ):
+        ahead = result.ours < paper if better == "lower" else result.ours > paper
+        if ahead:
+            return "qualitative", "no ordering to check; ours better than the paper's value"
+        return "off", "no ordering to check; ours worse than the paper's value"
     return "off", "not within error or 10 %, and no ordering to check"
 
 
@@ -294,9 +308,10 @@ def render(
         "method of the same table, data set and metric that the paper separates by more than "
         "their summed errors. An ordering is contradicted when ours is reversed by more than our "
         "summed standard errors. *qualitative*: at least one ordering and none contradicted; "
-        "*off*: an ordering contradicted (or none to check); *missing*: no result of ours, with "
-        "the reason. Rows on a substitute data set or network (column *ours on*) can only be "
-        "qualitative or off.",
+        "*off*: an ordering contradicted; *missing*: no result of ours, with the reason. A row "
+        "with no ordering to check is qualitative when ours beats the paper's value and off "
+        "when it is worse. Rows on a substitute data set or network (column *ours on*) can "
+        "only be qualitative (an ordering holds) or off.",
         "",
         "| paper | reproduced | qualitative | off | missing | rows |",
         "|---|---|---|---|---|---|",

@@ -97,6 +97,11 @@ def test_verdict_reproduced_within_error_bar_or_ten_percent(tmp_path: Path) -> N
     assert [r.verdict for r in res] == ["reproduced", "reproduced", "off"]
     assert "within error" in res[0].basis and "10 %" in res[1].basis
     assert res[2].basis == "not within error or 10 %, and no ordering to check"
+    # with the metric's direction, a row with no ordering is judged against the paper's value
+    lower = _write(tmp_path, [_row("z", 2.5, 0.01, 2.0, better="lower")])[0]
+    higher = _write(tmp_path, [_row("z", 2.5, 0.01, 2.0, better="higher")])[0]
+    assert (lower.verdict, higher.verdict) == ("qualitative", "off")
+    assert lower.basis == "no ordering to check; ours better than the paper's value"
 
 
 def test_verdict_ordering_decides_substitute_rows(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.func as tfunc
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import (
@@ -43,6 +43,7 @@ from gaussify.curvature.jacobian import (
     model_outputs,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.fastpath import forward_ad_unsupported, functional_call, warn_reverse_mode
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
@@ -99,7 +100,14 @@ def batched_jvp(model: nn.Module, x: Tensor, subset: ParameterSubset, v: Tensor)
     def one(t: Tensor) -> Tensor:
         return tfunc.jvp(f, (params,), (subset.unflatten(t),))[1]
 
-    return vmap(one)(v.to(next(iter(params.values())).dtype))
+    v = v.to(next(iter(params.values())).dtype)
+    try:
+        return vmap(one)(v)
+    except (NotImplementedError, RuntimeError) as error:
+        if not forward_ad_unsupported(error):
+            raise
+        warn_reverse_mode(model, error)
+        return torch.einsum("ncp,sp->snc", jacobians(model, x, subset), v)
 
 
 def batched_vjp(model: nn.Module, x: Tensor, subset: ParameterSubset, u: Tensor) -> Tensor:

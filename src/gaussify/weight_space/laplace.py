@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify import distributed
 from gaussify.batches import Batches
@@ -42,9 +42,11 @@ from gaussify.curvature.subset import (
     ParameterSubset,
     check_prior,
     expand_prior,
+    require_untied,
     require_whole_tensors,
     select_parameters,
 )
+from gaussify.fastpath import functional_call
 from gaussify.likelihoods import (
     Gaussian,
     Likelihood,
@@ -148,6 +150,9 @@ class Laplace:
         self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
         if structure == "kron":
             require_whole_tensors(self.subset, "structure 'kron' (Kronecker factors are per layer)")
+            require_untied(
+                model, self.subset, "structure 'kron'", "structure 'full', 'diag' or 'lowrank'"
+            )
         self.temperature = temperature
         exact = (
             structure == "full"

@@ -173,3 +173,48 @@ def test_lowrank_and_sampled_lla_on_a_model_without_forward_ad() -> None:
         float(full.log_marginal_likelihood()), rel=1e-10
     )
     assert pred.f_samples.shape == (3, 2, 2)
+
+
+class _PaddedEncoder(nn.Module):
+    """Token model whose padding mask comes from its input (id 0): in eval mode the encoder's
+    fast path would turn the batch into nested tensors."""
+
+    def __init__(self, vocab: int = 9, d: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = x == 0
+        h = self.enc(self.emb(x), src_key_padding_mask=pad)
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+def test_padded_token_encoder_lowrank_matches_the_bruteforce_ggn() -> None:
+    import bruteforce_ggn as bf
+
+    torch.manual_seed(0)
+    model = _PaddedEncoder().double().eval()
+    x = torch.randint(1, 9, (8, 5))
+    x[:, 3:] = 0
+    x[0, 1:] = 0
+    y = torch.randint(0, 2, (8,))
+    p = sum(q.numel() for q in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FastPathWarning)
+        la = gs.Laplace(
+            model,
+            "classification",
+            structure="lowrank",
+            rank=p,
+            prior_precision=2.0,
+            correction=False,
+        ).fit((x, y))
+        cov = la.predict(x[:3]).f_cov
+    assert float(la.log_marginal_likelihood()) == pytest.approx(
+        bf.log_evidence(model, x, y, 2.0), rel=1e-10
+    )
+    torch.testing.assert_close(cov, bf.glm_cov(model, x, x[:3], 2.0), atol=1e-10, rtol=1e-8)

@@ -120,3 +120,22 @@ def test_kron_refuses_tied_parameters_naming_them() -> None:
     reused = nn.Sequential(layer, nn.Tanh(), layer)
     with pytest.raises(ValueError, match=r"0\.weight = 2\.weight; 0\.bias = 2\.bias; use"):
         gs.Laplace(reused, "classification", structure="kron")
+
+
+def test_nn_predictive_keeps_the_tie_in_every_weight_sample() -> None:
+    """method='nn' on a tied model: each sample's network uses the sampled shared tensor in
+    both places (the brute force writes it into both modules)."""
+    torch.manual_seed(0)
+    model = TiedLM(head_first=True).double().eval()
+    x, y, xt = _data()
+    la = gs.Laplace(model, "classification", structure="diag", prior_precision=DELTA)
+    la.fit((x, y))
+    pred = la.predict(xt, method="nn", num_samples=4, generator=torch.Generator().manual_seed(5))
+    thetas = la.sample(4, torch.Generator().manual_seed(5))
+    expected = []
+    for theta in thetas:
+        mw, mb, w, b = theta.split([16, 4, 28, 7])  # mid, then the head (canonical)
+        head = nn.functional.linear
+        h = torch.tanh(head(nn.functional.embedding(xt, w.view(7, 4)), mw.view(4, 4), mb))
+        expected.append(head(h.mean(1), w.view(7, 4), b))
+    torch.testing.assert_close(pred.f_samples, torch.stack(expected), atol=1e-12, rtol=1e-10)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import laplace_vs_laplace_torch as bench
 
 import gaussify as gs
-from gaussify.curvature import jacobian
+from gaussify.curvature import layer_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "conv_route.json"
@@ -52,7 +52,7 @@ def diag_fit(model: nn.Module, loader: DataLoader, generic: bool, **options: Any
     structure = options.pop("structure", "diag")
     la = gs.Laplace(model, "classification", structure, "all", **options)
     if generic:
-        with mock.patch.object(jacobian, "_plain_conv2d", lambda _m: False):
+        with mock.patch.object(layer_traces, "_plain_conv2d", lambda _m: False):
             return la.fit(loader)
     return la.fit(loader)
 

@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 
 import gaussify as gs
-import gaussify.weight_space.laplace as laplace_module
+import gaussify.weight_space.laplace_predict as laplace_module  # the predictive routes
 from gaussify.experiments.function_space_images import make_mlp
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import gaussify as gs
-import gaussify.weight_space.laplace as laplace_module
+import gaussify.weight_space.laplace_predict as laplace_module  # the predictive routes
 from gaussify.curvature.kron import traced_predictive
 
 TOL = 1e-10

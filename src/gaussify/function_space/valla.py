@@ -41,33 +41,30 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from gaussify import state as st
 from gaussify.batches import Batches, as_batches, num_examples
-from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, jacobians, model_outputs
-from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
-from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
+from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, model_outputs
+from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
 from gaussify.function_space.sampled_lla import batched_jvp, batched_vjp
+from gaussify.function_space.valla_kernel import InducingKernel
+from gaussify.function_space.valla_objective import (
+    decoupled_kl,
+    gaussian_expected_log_lik,
+    mc_expected_log_lik,
+    probit_log_lik,
+    whitened_kl,
+)
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
-from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian, probit
-from gaussify.state import (
-    Integer,
-    Number,
-    StateError,
-    TensorSpec,
-    copy_state,
-    identity,
-    identity_schema,
-    transactional,
-    validate_posterior_state,
-)
+from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.state import transactional
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
 
 __all__ = [
@@ -84,91 +81,8 @@ KernelRoute = Literal["jacobian", "ntk"]
 
 
 # ---------------------------------------------------------------------- pure functions
-def whitened_kl(chol_v: Tensor) -> Tensor:
-    """KL(N(0, S_u) || N(0, K_ZZ)) for S_u = L_K S_v L_K^T, S_v = L_v L_v^T:
-    1/2 [tr S_v - D - log det S_v], independent of K_ZZ. ``chol_v (D, D)`` lower triangular."""
-    diag = chol_v.diagonal()
-    return 0.5 * (chol_v.square().sum() - chol_v.shape[0] - 2 * diag.abs().log().sum())
-
-
-def decoupled_kl(chol_v: Tensor, theta_star: Tensor, prior: Tensor) -> Tensor:
-    """KL(q(theta) || p(theta)) of VaLLA's weight-space Gaussian N(theta*, Sigma_theta) to the
-    prior N(0, P0^-1): the covariance part plus the anchored mean's 1/2 theta*^T P0 theta*
-    (VaLLA eq. 15 with the mean basis reproducing f(x; theta*)). ``prior (P,)``."""
-    return whitened_kl(chol_v) + 0.5 * (prior * theta_star.square()).sum()
-
-
-def gaussian_expected_log_lik(
-    y: Tensor, mean: Tensor, cov: Tensor, noise_var: Tensor, alpha: float
-) -> Tensor:
-    """(1/alpha) log E_{f ~ N(mean, cov)} [N(y | f, D)^alpha] per sample, (B,), D = diag(noise).
-
-    Closed form: N(y | f, D)^alpha = (2 pi)^{C (1 - alpha) / 2} |D|^{(1 - alpha) / 2}
-    alpha^{-C/2} N(y | f, D / alpha), so the expectation is that constant times
-    N(y | mean, D / alpha + cov). ``alpha = 0`` is the limit E[log N(y | f, D)] =
-    log N(y | mean, D) - 1/2 tr(D^-1 cov). Shapes: y, mean (B, C), cov (B, C, C), noise (C,).
-    """
-    c = mean.shape[-1]
-    log_2pi = math.log(2 * math.pi)
-    resid = y - mean
-    if alpha == 0:
-        return -0.5 * (resid.square() / noise_var + noise_var.log() + log_2pi).sum(-1) - 0.5 * (
-            cov.diagonal(dim1=-2, dim2=-1) / noise_var
-        ).sum(-1)
-    total = cov + torch.diag_embed(noise_var / alpha).expand_as(cov)
-    chol = torch.linalg.cholesky(total)
-    sol = torch.cholesky_solve(resid.unsqueeze(-1), chol).squeeze(-1)
-    log_n = -0.5 * (
-        (resid * sol).sum(-1) + 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1) + c * log_2pi
-    )
-    const = 0.5 * (1 - alpha) * (c * log_2pi + noise_var.log().sum()) - 0.5 * c * math.log(alpha)
-    return (const + log_n) / alpha
-
-
-def _mc_expected_log_lik(
-    likelihood: Likelihood,
-    y: Tensor,
-    mean: Tensor,
-    cov: Tensor,
-    alpha: float,
-    num_samples: int,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """Reparameterised Monte Carlo estimate of (1/alpha) log E[p(y|f)^alpha] (alpha = 0:
-    E[log p(y|f)]), (B,)."""
-    chol, info = torch.linalg.cholesky_ex(cov)
-    if bool(info.any()):
-        eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
-        jitter = 1e-8 * float(cov.diagonal(dim1=-2, dim2=-1).mean().detach())
-        warnings.warn(
-            f"Sigma(x, x): not positive definite; added jitter {jitter:.1e} to sample from it",
-            stacklevel=3,
-        )
-        chol = torch.linalg.cholesky(cov + jitter * eye)
-    eps = torch.randn(
-        (num_samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device
-    )
-    f = mean + torch.einsum("bij,sbj->sbi", chol, eps)
-    logp = torch.stack([likelihood.log_prob(fs, y) for fs in f])  # (S, B)
-    if alpha == 0:
-        return logp.mean(0)
-    return (torch.logsumexp(alpha * logp, dim=0) - math.log(num_samples)) / alpha
-
-
-def _probit_log_lik(task: str, y: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
-    """log E[p(y|f)] with the probit approximation of softmax / sigmoid (VaLLA Sec. 3.3 uses
-    this approximation of Daxberger et al. 2021b), (B,)."""
-    probs = probit(mean, cov.diagonal(dim1=-2, dim2=-1), task)
-    if task == "classification":
-        return probs.clamp_min(1e-300).log().gather(-1, y.long().reshape(-1, 1)).squeeze(-1)
-    y = y.reshape(probs.shape).to(probs)
-    return (y * probs.clamp_min(1e-300).log() + (1 - y) * (1 - probs).clamp_min(1e-300).log()).sum(
-        -1
-    )
-
-
 # ---------------------------------------------------------------------- the posterior
-class VaLLA:
+class VaLLA(InducingKernel):
     """Variational linearised Laplace: a decoupled sparse GP with the linearised network's
     kernel J P0^-1 J^T, predictive mean f(x; theta*) and M inducing inputs for the covariance.
 
@@ -275,7 +189,7 @@ class VaLLA:
                 "inducing inputs; use kernel='jacobian' to learn them"
             )
         self.kernel = kernel
-        self.subset: ParameterSubset = select_parameters(model, subset)
+        self.subset = select_parameters(model, subset)
         dtype = next(model.parameters()).dtype
         prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
         expand_prior(prior, self.subset)  # raises on a wrong granularity
@@ -322,115 +236,6 @@ class VaLLA:
     def sigma_noise(self) -> Tensor:
         return self.log_sigma.detach().exp()
 
-    def _prior_vec(self) -> Tensor:
-        return expand_prior(self.log_prior.exp(), self.subset)
-
-    def _groups(self) -> list[slice] | None:
-        """Parameter slices sharing one prior value (scalar: one; per tensor: one each), or
-        None for a per-parameter prior (then kernels weight every column)."""
-        numel = self.log_prior.numel()
-        if numel == 1:
-            return [slice(0, self.subset.num_params)]
-        if numel == len(self.subset.names) and numel != self.subset.num_params:
-            out, start = [], 0
-            for n in self.subset.numels:
-                out.append(slice(start, start + n))
-                start += n
-            return out
-        return None
-
-    def _group_inv(self) -> Tensor:
-        """1 / prior per group (G,), or per parameter (P,) when ``_groups`` is None."""
-        prior = self.log_prior.exp()
-        return (1.0 / prior).reshape(-1)
-
-    def _group_names(self) -> list[list[str]] | None:
-        """The groups of :meth:`_groups` as parameter names (for ``ntk_components``)."""
-        groups = self._groups()
-        if groups is None:
-            return None
-        if len(groups) == 1:
-            return [list(self.subset.names)]
-        return [[name] for name in self.subset.names]
-
-    def _kernel(self, ja: Tensor, jb: Tensor) -> Tensor:
-        """J_a P0^-1 J_b^T for flattened Jacobians ja (A, P), jb (B, P): (A, B)."""
-        groups, inv = self._groups(), self._group_inv()
-        if groups is None:
-            return (ja * inv) @ jb.T
-        out = (ja[:, groups[0]] @ jb[:, groups[0]].T) * inv[0]
-        for i, g in enumerate(groups[1:], start=1):
-            out = out + (ja[:, g] @ jb[:, g].T) * inv[i]
-        return out
-
-    def _kernel_diag_blocks(self, jac: Tensor) -> Tensor:
-        """Per-sample blocks J_n P0^-1 J_n^T for jac (B, C, P): (B, C, C)."""
-        groups, inv = self._groups(), self._group_inv()
-        if groups is None:
-            return torch.einsum("bcp,bdp->bcd", jac * inv, jac)
-        out = torch.einsum("bcp,bdp->bcd", jac[..., groups[0]], jac[..., groups[0]]) * inv[0]
-        for i, g in enumerate(groups[1:], start=1):
-            out = out + torch.einsum("bcp,bdp->bcd", jac[..., g], jac[..., g]) * inv[i]
-        return out
-
-    def _jz(self) -> Tensor:
-        """Jacobians at Z (MC, P) (jacobian route): cached while Z is fixed, recomputed with
-        gradients to Z when it is learned."""
-        if not self.learn_inducing:
-            return self._jz_cache
-        jz = jacobians(self.model, self.inducing_points, self.subset)
-        return jz.reshape(-1, jz.shape[-1])
-
-    def _kzz(self) -> Tensor:
-        """K_ZZ (MC, MC); from cached unit-prior components (one per prior group) while Z is
-        fixed, so a step with a learned prior costs no pass over Z."""
-        grams = self._zz_grams
-        if grams is not None:
-            inv = self._group_inv()
-            out = grams[0] * inv[0]
-            for i in range(1, len(grams)):
-                out = out + grams[i] * inv[i]
-            return out
-        if self.kernel == "ntk":
-            m = self.inducing_points
-            k = ntk(self.model, m, None, self.subset, self.log_prior.exp())
-            return k.reshape(k.shape[0] * k.shape[1], -1)
-        jz = self._jz()
-        return self._kernel(jz, jz)
-
-    def _batch_kernels(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(K_{Z x} (MC, BC), the per-sample prior blocks k(x_n, x_n) (B, C, C))."""
-        if self.kernel == "ntk":
-            prior = self.log_prior.exp()
-            k_zx = ntk(self.model, self.inducing_points.detach(), x, self.subset, prior)
-            k_xx = ntk_diag(self.model, x, self.subset, prior)
-            return k_zx.reshape(k_zx.shape[0] * k_zx.shape[1], -1), k_xx
-        jac = jacobians(self.model, x, self.subset)
-        b, c, p = jac.shape
-        return self._kernel(self._jz(), jac.reshape(b * c, p)), self._kernel_diag_blocks(jac)
-
-    def _cholesky(self, k: Tensor) -> Tensor:
-        """Cholesky factor of K_ZZ, adding jitter (warned once) when it is singular (e.g. more
-        inducing outputs M C than parameters P, or duplicated inducing inputs)."""
-        chol, info = torch.linalg.cholesky_ex(k)
-        if not bool(info.any()):
-            return chol
-        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-        scale = float(k.diagonal().mean().detach().abs()) or 1.0
-        for power in range(-10, -1):
-            jitter = scale * 10.0**power
-            chol, info = torch.linalg.cholesky_ex(k + jitter * eye)
-            if not bool(info.any()):
-                if not self._warned_jitter:
-                    warnings.warn(
-                        f"K_ZZ: not positive definite (M C = {k.shape[0]} inducing outputs, "
-                        f"P = {self.subset.num_params} parameters); added jitter {jitter:.1e}",
-                        stacklevel=3,
-                    )
-                    self._warned_jitter = True
-                return chol
-        raise ValueError("K_ZZ: not positive definite even with jitter; use fewer inducing points")
-
     @property
     def chol_v(self) -> Tensor:
         """L_v (MC, MC): lower triangular with a positive (exponentiated) diagonal."""
@@ -442,30 +247,6 @@ class VaLLA:
         return check_data(
             data, model=self.model, task=self.task, owner=owner, multi_pass=multi_pass
         )
-
-    def _inputs_for_kmeans(self, data: Batches, gen: torch.Generator) -> Tensor:
-        if isinstance(data, tuple):
-            x = data[0]
-            if x.shape[0] > self.kmeans_points:
-                x = x[torch.randperm(x.shape[0], generator=gen)[: self.kmeans_points]]
-            return x
-        parts, count = [], 0
-        for x, _ in as_batches(data):
-            parts.append(x)
-            count += x.shape[0]
-            if count >= self.kmeans_points:
-                break
-        return torch.cat(parts)[: self.kmeans_points]
-
-    def _kmeans(self, x: Tensor, m: int) -> Tensor:
-        """M K-means centres of the (flattened) inputs (scikit-learn, seeded), shaped like x."""
-        from gaussify.extras import require
-
-        KMeans = require("sklearn.cluster", "VaLLA's K-means inducing points").KMeans
-        flat = x.detach().reshape(x.shape[0], -1).cpu().double().numpy()
-        km = KMeans(n_clusters=m, n_init=1, random_state=self.seed).fit(flat)
-        centres = torch.as_tensor(km.cluster_centers_, dtype=x.dtype, device=x.device)
-        return centres.reshape(m, *x.shape[1:])
 
     @transactional
     @in_eval_mode
@@ -511,23 +292,6 @@ class VaLLA:
         self._initialised = True
         return self
 
-    def _refresh_cache(self) -> None:
-        """Cache what depends on Z alone: Jacobians at Z (jacobian route) and the unit-prior
-        K_ZZ components of each prior group (both routes), unless Z is learned."""
-        z = self.inducing_points.detach()
-        names = self._group_names()
-        self._zz_grams = None
-        if self.kernel == "jacobian":
-            jz = jacobians(self.model, z, self.subset)
-            self._jz_cache = jz.reshape(-1, jz.shape[-1])
-            groups = self._groups()
-            if groups is not None and not self.learn_inducing:
-                self._zz_grams = [self._jz_cache[:, g] @ self._jz_cache[:, g].T for g in groups]
-        elif names is not None:
-            comps = ntk_components(self.model, z, None, self.subset, groups=names)
-            mc = comps.shape[1] * comps.shape[2]
-            self._zz_grams = list(comps.reshape(comps.shape[0], mc, mc))
-
     # ------------------------------------------------------------------ the model
     def _require_init(self) -> None:
         if not self._initialised:
@@ -551,11 +315,11 @@ class VaLLA:
             y = y.reshape(f.shape).to(f.dtype)
             return gaussian_expected_log_lik(y, f, cov, noise, self.alpha)
         if self.expectation == "probit":
-            return _probit_log_lik(self.task, y, f, cov)
+            return probit_log_lik(self.task, y, f, cov)
         likelihood = self.likelihood
         if self.task == "regression":
             likelihood = get_likelihood("regression", sigma_noise=self.log_sigma.exp())
-        return _mc_expected_log_lik(
+        return mc_expected_log_lik(
             likelihood, y, f, cov, self.alpha, self.mc_samples, getattr(self, "_gen", None)
         )
 
@@ -817,15 +581,9 @@ class VaLLA:
                 means.append(model_outputs(self.model, x[sl]))
                 covs.append(self._cov_blocks(x[sl], chol_k, chol_v))
         noise = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
-        return predictive_from_gaussian(
-            torch.cat(means),
-            torch.cat(covs),
-            self.task,
-            link=link,
-            noise_var=noise,
-            num_samples=num_samples,
-            generator=generator,
-        )
+        mean, cov = torch.cat(means), torch.cat(covs)
+        kwargs = {"noise_var": noise, "num_samples": num_samples, "generator": generator}
+        return predictive_from_gaussian(mean, cov, self.task, link=link, **kwargs)
 
     @property
     def inducing_covariance(self) -> Tensor:
@@ -877,12 +635,12 @@ class VaLLA:
         self._require_init()
         state: dict[str, Any] = {k: v for k, v in self._variational_state().items()}
         state.update(
-            identity(self.task, self.subset.names, self.model),
+            st.identity(self.task, self.subset.names, self.model),
             theta_star=self.theta_star,
             num_data=self.num_data,
             alpha=self.alpha,
         )
-        return copy_state(state)
+        return st.copy_state(state)
 
     @transactional
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
@@ -892,16 +650,16 @@ class VaLLA:
         changes nothing."""
         dt = self.log_prior.dtype
         schema = {
-            **identity_schema(self.task, self.subset.names),
-            "chol_raw": TensorSpec(("K", "K"), dt),
-            "log_prior": TensorSpec(tuple(self.log_prior.shape), dt),
-            "log_sigma": TensorSpec(tuple(self.log_sigma.shape), dt),
-            "inducing_points": TensorSpec(("M", ...), "float"),
-            "theta_star": TensorSpec(("P",), dt),
-            "num_data": Integer(1),
-            "alpha": Number(positive=False),
+            **st.identity_schema(self.task, self.subset.names),
+            "chol_raw": st.TensorSpec(("K", "K"), dt),
+            "log_prior": st.TensorSpec(tuple(self.log_prior.shape), dt),
+            "log_sigma": st.TensorSpec(tuple(self.log_sigma.shape), dt),
+            "inducing_points": st.TensorSpec(("M", ...), "float"),
+            "theta_star": st.TensorSpec(("P",), dt),
+            "num_data": st.Integer(1),
+            "alpha": st.Number(positive=False),
         }
-        valid = validate_posterior_state(
+        valid = st.validate_posterior_state(
             state,
             schema,
             owner="VaLLA",
@@ -912,7 +670,7 @@ class VaLLA:
         )
         z = valid["inducing_points"]
         if valid["chol_raw"].shape[0] % z.shape[0]:
-            raise StateError(
+            raise st.StateError(
                 "VaLLA.load_state_dict: invalid state: 'chol_raw': expected a multiple of the "
                 f"{z.shape[0]} inducing points rows, got {valid['chol_raw'].shape[0]}"
             )

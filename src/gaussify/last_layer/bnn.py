@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gaussify.last_layer.base import VBLLHead, VBLLOutput, check_positive
-from gaussify.last_layer.vbll import ClassificationHead, VBLLGenerative
+from gaussify.last_layer.base import ClassificationHead, VBLLHead, VBLLOutput, check_positive
+from gaussify.last_layer.vbll_generative import VBLLGenerative
 from gaussify.predictive import Predictive
 from gaussify.validation import check_count
 

@@ -30,6 +30,9 @@ outside the list above), so callers can fall back to reverse mode (:func:`warn_r
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -63,6 +66,24 @@ _WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _WARNED_REVERSE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+_INTERNAL = (
+    os.path.dirname(os.path.abspath(__file__)),  # gaussify
+    os.path.abspath(contextlib.__file__),  # the context managers' frames
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning issued by this module's caller chain at the
+    first frame outside gaussify, the standard library and torch (the user's call)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def fused_modules(model: nn.Module) -> list[tuple[str, str]]:
     """``(name, type name)`` of the outermost modules of ``model`` with a fused fast path (a
     ``TransformerEncoderLayer``'s own attention is not listed again)."""
@@ -76,7 +97,7 @@ def fused_modules(model: nn.Module) -> list[tuple[str, str]]:
     return found
 
 
-def _warn_once(model: nn.Module, stacklevel: int) -> None:
+def _warn_once(model: nn.Module) -> None:
     if model in _WARNED:
         return
     found = fused_modules(model)
@@ -94,17 +115,17 @@ def _warn_once(model: nn.Module, stacklevel: int) -> None:
         "predictive passes and restores your settings afterwards. The network's function is the "
         "same; only the kernels differ (shown once per model).",
         FastPathWarning,
-        stacklevel=stacklevel,
+        stacklevel=_user_stacklevel(),
     )
 
 
 @contextmanager
-def autodiff_safe(model: nn.Module | None = None, *, stacklevel: int = 4) -> Iterator[None]:
+def autodiff_safe(model: nn.Module | None = None) -> Iterator[None]:
     """Run the block with PyTorch's fused attention fast paths off (module docstring); the
     previous settings come back on exit, also on an exception. With ``model``, warn once per
     model (:class:`~gaussify.warnings.FastPathWarning`) when it holds a fused module."""
     if isinstance(model, nn.Module):
-        _warn_once(model, stacklevel)
+        _warn_once(model)
     previous = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
@@ -127,7 +148,7 @@ def functional_call(
     with forward- and reverse-mode derivatives, for every gaussify Jacobian / JVP / VJP / vmap
     pass. Tied parameters stay tied (a tensor given under one of its names is used by every
     module that shares it)."""
-    with autodiff_safe(model, stacklevel=5):
+    with autodiff_safe(model):
         return torch.func.functional_call(model, params, args, kwargs, strict=strict)
 
 
@@ -143,7 +164,7 @@ def forward_ad_unsupported(error: BaseException) -> bool:
     )
 
 
-def warn_reverse_mode(model: nn.Module, error: BaseException, *, stacklevel: int = 3) -> None:
+def warn_reverse_mode(model: nn.Module, error: BaseException) -> None:
     """Warn once per model that a forward-mode product falls back to reverse mode."""
     if model in _WARNED_REVERSE:
         return
@@ -154,5 +175,5 @@ def warn_reverse_mode(model: nn.Module, error: BaseException, *, stacklevel: int
         "Jacobian-vector products J v from reverse-mode Jacobians instead (C backward passes "
         "per chunk of inputs instead of one forward pass; shown once per model).",
         FastPathWarning,
-        stacklevel=stacklevel,
+        stacklevel=_user_stacklevel(),
     )

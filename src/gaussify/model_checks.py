@@ -44,7 +44,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        with autodiff_safe(model, stacklevel=7):
+        with autodiff_safe(model):
             yield model
     finally:
         for module, training in flags:

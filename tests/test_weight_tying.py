@@ -87,23 +87,35 @@ def test_tied_model_matches_the_bruteforce_jacobian(structure: str, head_first: 
     )
 
 
+@pytest.mark.parametrize(
+    ("subset", "names"),
+    [("last_layer", ("head.weight",)), (["head"], ("head.weight", "head.bias"))],
+)
 @pytest.mark.parametrize("structure", ["full", "diag"])
-def test_last_layer_subset_of_a_tied_head_sums_both_uses(structure: str) -> None:
-    """subset='last_layer' with the head tied to the embedding covers the shared tensor: its
-    Jacobian is d f / d W through the head and the embedding together (brute force over that
-    tensor alone, other parameters fixed)."""
+def test_output_layer_subset_of_a_tied_head_sums_both_uses(
+    structure: str, subset: str | list[str], names: tuple[str, ...]
+) -> None:
+    """A subset of the output layer whose weight is tied to the embedding covers the shared
+    tensor, and its Jacobian is d f / d W through the head and the embedding together (brute
+    force over the selected tensors, the others fixed). Before, ``["head"]`` took the
+    last-layer route J = I ⊗ [phi, 1], which misses the embedding's use, and 'last_layer'
+    selected nothing."""
     torch.manual_seed(0)
     model = TiedLM(head_first=True).double().eval()
     x, y, _ = _data()
     la = gs.Laplace(
-        model, "classification", structure=structure, subset="last_layer", prior_precision=DELTA
+        model, "classification", structure=structure, subset=subset, prior_precision=DELTA
     ).fit((x, y))
-    w = model.head.weight.detach()
+    assert la.subset.names == names
+    named = dict(model.named_parameters())
+    counts = [named[n].numel() for n in names]
 
     def f(flat: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, {"head.weight": flat.view_as(w)}, (x,))
+        parts = flat.split(counts)
+        params = {n: t.view_as(named[n]) for n, t in zip(names, parts, strict=True)}
+        return torch.func.functional_call(model, params, (x,))
 
-    jac = torch.func.jacrev(f)(w.reshape(-1))
+    jac = torch.func.jacrev(f)(torch.cat([named[n].detach().reshape(-1) for n in names]))
     with torch.no_grad():
         lam = bf.softmax_hessian(model(x))
     g = torch.einsum("nci,ncd,ndj->ij", jac, lam, jac)

@@ -369,25 +369,13 @@ def validated_batches(
     batch_size: int = 256,
     shuffle: bool = False,
     generator: torch.Generator | None = None,
-    *,
-    model: nn.Module | None = None,
-    task: str | None = None,
-    owner: str = "fit",
-    multi_pass: bool = False,
-    num_outputs: int | None = None,
-    input_name: str = "x",
+    **checks: Any,
 ) -> Iterable[tuple[Tensor, Tensor]]:
-    """:func:`gaussify.batches.as_batches` over :func:`check_data`'s validated ``data``."""
+    """:func:`gaussify.batches.as_batches` over :func:`check_data`'s validated ``data``;
+    ``checks`` are :func:`check_data`'s keywords (``model``, ``task``, ``owner``,
+    ``multi_pass``, ``num_outputs``, ``input_name``)."""
     batch_size = check_count(batch_size, "batch_size")
-    checked = check_data(
-        data,
-        model=model,
-        task=task,
-        owner=owner,
-        multi_pass=multi_pass,
-        num_outputs=num_outputs,
-        input_name=input_name,
-    )
+    checked = check_data(data, **checks)
     if isinstance(checked, _CheckedBatches):
         return checked
     return as_batches(checked, batch_size, shuffle, generator)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,7 @@ from gaussify.function_space.valla_objective import (
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import transactional
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
@@ -82,7 +83,7 @@ KernelRoute = Literal["jacobian", "ntk"]
 
 # ---------------------------------------------------------------------- pure functions
 # ---------------------------------------------------------------------- the posterior
-class VaLLA(InducingKernel):
+class VaLLA(InducingKernel, DeclaredCapabilities):
     """Variational linearised Laplace: a decoupled sparse GP with the linearised network's
     kernel J P0^-1 J^T, predictive mean f(x; theta*) and M inducing inputs for the covariance.
 
@@ -109,6 +110,14 @@ class VaLLA(InducingKernel):
     Reference: Ortega, Santana, Hernández-Lobato, "Variational Linearized Laplace
     Approximation for Bayesian Deep Learning", ICML 2024.
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "VaLLA maximises the objective of eq. (20) (alpha = 1: a "
+        "log predictive likelihood; alpha = 0: an ELBO, a lower bound), neither is the "
+        "evidence; use Laplace or FunctionalLaplace for log p(D)",
+        "optimize_prior": "VaLLA learns the prior precision and noise inside fit (learn_prior, "
+        "learn_noise) jointly with q(u); call fit",
+    }
 
     def __init__(
         self,

@@ -224,6 +224,22 @@ class VBLLHead(nn.Module, ABC):
     def forward(self, phi: Tensor) -> VBLLOutput:
         return VBLLOutput(self, self.check_features(phi))
 
+    # ---- the trained-posterior protocol (gaussify.posterior.TrainedPosterior) ------------
+
+    def predict(self, phi: Tensor) -> Predictive:
+        """The posterior predictive at features ``phi (N, in_features)`` as a
+        :class:`~gaussify.Predictive` (``head(phi).to_predictive()``)."""
+        return self.to_predictive(self.check_features(phi))
+
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws W_s ~ q(W) of the head's Gaussian weights (``W()``: R rows of length D, the
+        class means of the generative head), flattened to (S, R D) in row-major order
+        (``.reshape(S, R, D)`` gives the matrices); no gradient flows to the head."""
+        num_samples = check_count(num_samples, "num_samples")
+        with torch.no_grad():
+            draws = self.W().rsample((num_samples,), generator)
+        return draws.reshape(num_samples, -1)
+
     # ---- the Gaussian layers q(W) (and q(M), q(mu)) ---------------------------------------
 
     def add_gaussian_rows(
@@ -350,14 +366,9 @@ class ClassificationHead(VBLLHead):
     task = "classification"
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        prior_scale: float,
-        link: str = "mc",
-        num_samples: int = 100,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        prior_scale: float, link: str = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
         if link not in ("mc", "probit", "bridge"):
             raise ValueError(f"link: expected 'mc', 'probit' or 'bridge', got {link!r}")
@@ -376,7 +387,25 @@ class ClassificationHead(VBLLHead):
         return -self.predictive(phi).probs.amax(-1)
 
 
-class VBLLOutput:
+class VBLLNames:
+    """The ``vbll`` package's names of an output's methods (``train_loss_fn``,
+    ``val_loss_fn``), shared by :class:`VBLLOutput` and the BNN output."""
+
+    train_loss: Callable[[Tensor], Tensor]
+    val_loss: Callable[[Tensor], Tensor]
+
+    @property
+    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`train_loss`."""
+        return self.train_loss
+
+    @property
+    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`val_loss`."""
+        return self.val_loss
+
+
+class VBLLOutput(VBLLNames):
     """The result of ``head(phi)``: the predictive and the training loss at these features.
 
     ``predictive`` (computed on first access), ``train_loss(y)`` (``train_loss_fn`` is the
@@ -414,16 +443,6 @@ class VBLLOutput:
 
     def elbo_terms(self, y: Tensor) -> dict[str, Tensor]:
         return self.head.elbo_terms(self.features, y)
-
-    @property
-    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        """The ``vbll`` package's name for :meth:`train_loss`."""
-        return self.train_loss
-
-    @property
-    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        """The ``vbll`` package's name for :meth:`val_loss`."""
-        return self.val_loss
 
     @property
     def ood_scores(self) -> Tensor:

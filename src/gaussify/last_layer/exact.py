@@ -42,6 +42,7 @@ from gaussify.approx_likelihoods import (
 )
 from gaussify.approx_likelihoods.pseudo_targets import METHODS, Basis, Method, check_labels
 from gaussify.batches import Batches
+from gaussify.last_layer.columns import sample_columns
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
@@ -55,7 +56,8 @@ from gaussify.state import (
     transactional,
     validate_state,
 )
-from gaussify.validation import check_finite, validated_batches
+from gaussify.tuning import TuningResult, check_grid, grid_search
+from gaussify.validation import check_count, check_finite, validated_batches
 
 __all__ = ["ExactLastLayer", "augment", "check_features"]
 
@@ -98,21 +100,12 @@ class ExactLastLayer:
     """
 
     def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        *,
-        method: Method = "variational",
-        basis: Basis = "log",
-        alpha_eps: float = 0.1,
-        beta_eps: float | None = None,
-        noise: float = 0.1,
-        pseudo_likelihood: DirichletGaussian | BetaGaussian | None = None,
-        prior_precision: float = 1.0,
-        bias: bool = True,
-        streaming: bool = True,
+        self, in_features: int, num_classes: int, *, method: Method = "variational",
+        basis: Basis = "log", alpha_eps: float = 0.1, beta_eps: float | None = None,
+        noise: float = 0.1, pseudo_likelihood: DirichletGaussian | BetaGaussian | None = None,
+        prior_precision: float = 1.0, bias: bool = True, streaming: bool = True,
         dtype: torch.dtype = torch.float64,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features: must be a positive integer, got {in_features!r}")
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
@@ -126,6 +119,8 @@ class ExactLastLayer:
         self.in_features, self.num_classes = in_features, num_classes
         self.prior_precision = float(prior_precision)
         self.bias, self.streaming, self.dtype = bias, streaming, dtype
+        #: outcome of the last optimize_prior (the grid, the evidence at the best value)
+        self.tuning_result: TuningResult | None = None
         self.num_features = in_features + int(bias)
         d = self.num_features
         check_allocation(
@@ -249,6 +244,45 @@ class ExactLastLayer:
         """Posterior precision of each column, ``(K, D', D')``."""
         return self._precision if not self.streaming else torch.linalg.inv(self._cov)
 
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws of the weights W ~ q(W) (columns independent Gaussians), (S, D' K) in the
+        row-major order of :attr:`mean` (D', K)
+        (:func:`gaussify.last_layer.columns.sample_columns`)."""
+        num_samples = check_count(num_samples, "num_samples")
+        return sample_columns(self.mean, self.covariance, num_samples, generator)
+
+    @transactional
+    def optimize_prior(
+        self,
+        data: Batches | None = None,
+        *,
+        grid: Tensor | Sequence[float] | None = None,
+        batch_size: int = 256,
+    ) -> ExactLastLayer:
+        """Type-II maximum likelihood of the prior precision delta: the value with the largest
+        exact log evidence :meth:`log_marginal_likelihood` among ``grid`` (1-D, default
+        10^-4 .. 10^4, 41 points) and the current delta, refitting on ``data`` for each (one
+        conjugate pass each); the layer ends fitted at the best. The evidence never decreases.
+        The outcome is kept in :attr:`tuning_result`."""
+        if data is None:
+            raise ValueError(
+                "data: ExactLastLayer.optimize_prior refits the layer for each prior precision; "
+                "pass the training data (a DataLoader or a (phi, y) pair)"
+            )
+        values = torch.logspace(-4, 4, 41, dtype=torch.float64)
+        values = values if grid is None else check_grid(grid)
+        values = torch.cat([values.to(torch.float64), torch.tensor([self.prior_precision])])
+
+        def evidence(delta: Tensor) -> Tensor:
+            self.prior_precision = float(delta)
+            return self.fit(data, batch_size).log_marginal_likelihood()
+
+        result = grid_search(evidence, values, self.dtype)
+        self.prior_precision = float(result.prior_precision)
+        self.fit(data, batch_size)
+        self.tuning_result = result
+        return self
+
     def log_marginal_likelihood(self) -> Tensor:
         """Log evidence of the pseudo-targets under the Gaussian model,
         ``sum_k log N(m_k; 0, X X^T / delta + V_k)`` (0-dim, float64)."""
@@ -275,13 +309,9 @@ class ExactLastLayer:
         return x @ self.mean, f_var.clamp_min(0)
 
     def predict(
-        self,
-        phi: Tensor,
-        link: LinkName = "probit",
-        *,
-        num_samples: int = 100,
+        self, phi: Tensor, link: LinkName = "probit", *, num_samples: int = 100,
         generator: torch.Generator | None = None,
-    ) -> Predictive:
+    ) -> Predictive:  # fmt: skip
         """Predictive at ``phi (N, D)``: logits ``N(f_mean (N, K), diag f_var)`` and probs by
         ``link`` (``"probit"`` or ``"mc"``: softmax / sigmoid averaged over samples), in the
         dtype of ``phi``."""
@@ -470,9 +500,11 @@ class ExactLastLayer:
         return schema
 
     @transactional
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Restore :meth:`state_dict` into a layer of the same shape and mode; the whole state
-        is validated first (:mod:`gaussify.state`) and a failed load changes nothing."""
+        is validated first (:mod:`gaussify.state`) and a failed load changes nothing.
+        ``strict`` is accepted for the posterior protocol: a layer on features holds no
+        network weights to compare, so the state is always checked in full."""
         valid = validate_state(state, self._state_schema(), owner="ExactLastLayer")
         self.pseudo_likelihood = _make_pseudo_likelihood(
             valid["method"], valid["basis"], valid["alpha_eps"], valid["beta_eps"], valid["noise"]

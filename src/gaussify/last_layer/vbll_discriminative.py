@@ -66,6 +66,12 @@ def logit_predictive(
     return Predictive("classification", mean, f_cov=f_cov, probs=probs)
 
 
+def _require_bound(softmax_bound: str, expected: str, says: str) -> None:
+    """Refuse a ``softmax_bound`` other than the one the head is trained on."""
+    if softmax_bound != expected:
+        raise ValueError(f"softmax_bound: {says} {softmax_bound!r}")
+
+
 class _RowsClassifier(ClassificationHead):
     """A classifier with independent rows ``w_k ~ N(w_bar_k, S_k)`` (one covariance per
     class)."""
@@ -86,27 +92,15 @@ class VBLLDiscriminative(WishartNoise, _RowsClassifier):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-        cov_rank: int | None = None,
-        softmax_bound: Literal["jensen"] = "jensen",
-        link: LinkName = "mc",
-        num_samples: int = 100,
-        init_noise_var: float = 0.1,
-    ) -> None:
-        super().__init__(
-            in_features, out_features, regularization_weight, prior_scale, link, num_samples
-        )
-        if softmax_bound != "jensen":
-            raise ValueError(
-                f"softmax_bound: D-VBLL uses eq. (13), 'jensen'; got {softmax_bound!r}"
-            )
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        wishart_scale: float = 1.0, dof: float = 1.0, cov_rank: int | None = None,
+        softmax_bound: Literal["jensen"] = "jensen", link: LinkName = "mc",
+        num_samples: int = 100, init_noise_var: float = 0.1,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, prior_scale, link,
+                         num_samples)  # fmt: skip
+        _require_bound(softmax_bound, "jensen", "D-VBLL uses eq. (13), 'jensen'; got")
         self.set_wishart_prior(wishart_scale, dof)
         init_noise_var = check_positive(init_noise_var, "init_noise_var")
         self._add_rows(parameterization, cov_rank)
@@ -130,26 +124,15 @@ class _MomentBoundHead(_RowsClassifier):
     ``gamma`` (the ``vbll`` package's ``kn_alpha``)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str,
-        prior_scale: float,
-        cov_rank: int | None,
-        softmax_bound: str,
-        kn_alpha: float,
-        link: str,
-        num_samples: int,
-    ) -> None:
-        super().__init__(
-            in_features, out_features, regularization_weight, prior_scale, link, num_samples
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str, prior_scale: float, cov_rank: int | None, softmax_bound: str,
+        kn_alpha: float, link: str, num_samples: int,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, prior_scale, link,
+                         num_samples)  # fmt: skip
+        _require_bound(
+            softmax_bound, "reduced_kn", "this head uses the deterministic 'reduced_kn' bound, got"
         )
-        if softmax_bound != "reduced_kn":
-            raise ValueError(
-                f"softmax_bound: this head uses the deterministic 'reduced_kn' bound, "
-                f"got {softmax_bound!r}"
-            )
         if link == "bridge":
             raise ValueError("link: use 'mc' or 'probit' for heads with random logit noise")
         self._add_rows(parameterization, cov_rank)
@@ -169,24 +152,14 @@ class VBLLStudentTDiscriminative(NormalGammaNoise, _MomentBoundHead):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 2.0,
-        cov_rank: int | None = None,
-        softmax_bound: Literal["reduced_kn"] = "reduced_kn",
-        kn_alpha: float = 0.1,
-        link: Literal["mc", "probit"] = "mc",
-        num_samples: int = 100,
-    ) -> None:
-        super().__init__(
-            in_features, out_features, regularization_weight, parameterization, prior_scale,
-            cov_rank, softmax_bound, kn_alpha, link, num_samples,
-        )  # fmt: skip
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        wishart_scale: float = 1.0, dof: float = 2.0, cov_rank: int | None = None,
+        softmax_bound: Literal["reduced_kn"] = "reduced_kn", kn_alpha: float = 0.1,
+        link: Literal["mc", "probit"] = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, parameterization,
+            prior_scale, cov_rank, softmax_bound, kn_alpha, link, num_samples)  # fmt: skip
         self.wishart_scale = check_positive(wishart_scale, "wishart_scale")
         self.dof = check_positive(dof, "dof")
         self.noise_gamma = GammaNoise(out_features, self.dof, self.wishart_scale, 1.0)
@@ -222,23 +195,14 @@ class VBLLHeteroscedasticDiscriminative(LogNoiseLayer, _MomentBoundHead):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        cov_rank: int | None = None,
-        softmax_bound: Literal["reduced_kn"] = "reduced_kn",
-        kn_alpha: float = 0.1,
-        link: Literal["mc", "probit"] = "mc",
-        num_samples: int = 100,
-    ) -> None:
-        super().__init__(
-            in_features, out_features, regularization_weight, parameterization, prior_scale,
-            cov_rank, softmax_bound, kn_alpha, link, num_samples,
-        )  # fmt: skip
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        noise_prior_scale: float = 0.01, cov_rank: int | None = None,
+        softmax_bound: Literal["reduced_kn"] = "reduced_kn", kn_alpha: float = 0.1,
+        link: Literal["mc", "probit"] = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, parameterization,
+            prior_scale, cov_rank, softmax_bound, kn_alpha, link, num_samples)  # fmt: skip
         self.noise_prior_scale = check_positive(noise_prior_scale, "noise_prior_scale")
         zeros = torch.zeros(out_features, in_features)
         self.add_gaussian_rows(

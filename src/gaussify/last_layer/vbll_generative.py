@@ -34,19 +34,12 @@ class VBLLGenerative(WishartNoise, ClassificationHead):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "diagonal",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-        cov_rank: int | None = None,
-        noise_parameterization: NoiseStructure = "diagonal",
-        dirichlet_prior: float = 1.0,
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "diagonal", prior_scale: float = 1.0,
+        wishart_scale: float = 1.0, dof: float = 1.0, cov_rank: int | None = None,
+        noise_parameterization: NoiseStructure = "diagonal", dirichlet_prior: float = 1.0,
         init_noise_var: float = 1.0,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
         self.set_wishart_prior(wishart_scale, dof)
         self.dirichlet_prior = check_positive(dirichlet_prior, "dirichlet_prior")

@@ -94,18 +94,11 @@ class VBLLRegression(WishartNoise, _SharedRowsRegression):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float | None = None,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-        cov_rank: int | None = None,
-        noise_parameterization: NoiseStructure = "dense",
-        init_noise_var: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float | None = None,
+        wishart_scale: float = 1.0, dof: float = 1.0, cov_rank: int | None = None,
+        noise_parameterization: NoiseStructure = "dense", init_noise_var: float = 1.0,
+    ) -> None:  # fmt: skip
         if prior_scale is None:
             prior_scale = default_prior_scale(in_features)
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
@@ -154,16 +147,10 @@ class VBLLStudentTRegression(NormalGammaNoise, _SharedRowsRegression):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-        cov_rank: int | None = None,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        wishart_scale: float = 1.0, dof: float = 1.0, cov_rank: int | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
         self.wishart_scale = check_positive(wishart_scale, "wishart_scale")
         self.dof = check_positive(dof, "dof")
@@ -219,15 +206,10 @@ class VBLLHeteroscedasticRegression(LogNoiseLayer, RegressionHead):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: ParameterizationName = "dense",
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        cov_rank: int | None = None,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: ParameterizationName = "dense", prior_scale: float = 1.0,
+        noise_prior_scale: float = 0.01, cov_rank: int | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(in_features, out_features, regularization_weight, prior_scale)
         self.noise_prior_scale = check_positive(noise_prior_scale, "noise_prior_scale")
         self.add_gaussian_rows(

@@ -41,13 +41,19 @@ from gaussify.likelihoods import (
     check_sigma_noise,
     get_likelihood,
 )
-from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
-    predictive_from_gaussian,
+    noise_variance,
+    posterior_predictive,
     predictive_from_samples,
+)
+from gaussify.prior_tuning import (
+    hyperparameters_or_current,
+    maximise_evidence,
+    noise_to_tune,
+    tuning_options,
 )
 from gaussify.spectral import Spectrum
 from gaussify.state import transactional
@@ -55,13 +61,12 @@ from gaussify.tuning import (
     Optimizer,
     TuningResult,
     check_choice,
-    check_tuning_arguments,
     grid_search,
     prior_from_weights,
     residual_rms,
-    tune_hyperparameters,
 )
 from gaussify.validation import check_count, check_inputs, validated_batches
+from gaussify.weight_space.dense_views import DenseViews
 from gaussify.weight_space.joint import function_samples, joint_predictive
 from gaussify.weight_space.laplace_evidence import (
     fitted_log_evidence,
@@ -85,7 +90,7 @@ Structure = Literal["full", "diag", "kron", "lowrank"]
 STRUCTURES = ("full", "diag", "kron", "lowrank")
 
 
-class Laplace:
+class Laplace(DenseViews):
     """Laplace-GGN posterior over the weights of ``model`` (or a subset of them).
 
     ``likelihood``: "classification", "regression", "binary" or a likelihood object.
@@ -378,34 +383,6 @@ class Laplace:
             self._posterior = self.posterior_at(self.prior_precision, self.sigma_noise)
         return self._posterior
 
-    @property
-    def posterior_precision(self) -> Tensor:
-        """Dense posterior precision (P, P) (refused when P^2 exceeds the allocation limit,
-        :mod:`gaussify.memory_guard`)."""
-        self._check_dense("posterior_precision")
-        return self.posterior.precision_dense()
-
-    @property
-    def posterior_covariance(self) -> Tensor:
-        """Dense posterior covariance (P, P) (refused like :attr:`posterior_precision`)."""
-        self._check_dense("posterior_covariance")
-        return self.posterior.covariance_dense()
-
-    def _check_dense(self, what: str) -> None:
-        p = self.subset.num_params
-        check_allocation(
-            p * p,
-            self._dtype,
-            f"{what}: the dense P x P matrix (P = {p:,})",
-            "posterior_variance (the diagonal), sample(), predict(), or a smaller subset",
-            device=self.mean.device,
-        )
-
-    @property
-    def posterior_variance(self) -> Tensor:
-        """Marginal posterior variances (P,)."""
-        return self.posterior.covariance_diag()
-
     def sample(
         self,
         num_samples: int = 100,
@@ -444,13 +421,8 @@ class Laplace:
         would exceed the likelihood's supremum (so class labels always give log Z <= 0)."""
         self._require_fit()
         dtype = self.mean.dtype
-        prior = (
-            self.prior_precision
-            if prior_precision is None
-            else torch.as_tensor(prior_precision, dtype=dtype)
-        )
-        sigma = (
-            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
+        prior, sigma = hyperparameters_or_current(
+            self, prior_precision, sigma_noise, dtype, self.mean.device
         )
         result = fitted_log_evidence(self, prior, sigma)
         value = result.value
@@ -484,20 +456,17 @@ class Laplace:
         ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
         prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
         per call); elsewhere each call differentiates the dense evidence with autograd."""
-        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
+        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))
         if data is not None and self._curvature is None:
             self.fit(data)
         self._require_fit()
-        if tune_noise is None:
-            tune_noise = self.task == "regression" and self.sigma_noise.ndim == 0
-        if tune_noise and self.task != "regression":
-            raise ValueError("tune_noise: only a regression likelihood has noise to tune")
+        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self.mean.dtype
         if method == "grid":
             closed = self.spectrum("scalar", tune_noise=False)
-            result = grid_search(closed or self.log_marginal_likelihood, grid, dtype)
+            result = grid_search(closed or self.log_marginal_likelihood, options.grid, dtype)
             self.prior_precision, self.tuning_result = result.prior_precision, result
             return self
         init = expand_prior(self.prior_precision, self.subset)
@@ -513,16 +482,13 @@ class Laplace:
             prior = prior.squeeze(0) if granularity == "scalar" else prior
             return self.log_marginal_likelihood(prior, sigma)
 
-        result = tune_hyperparameters(
+        result = maximise_evidence(
             evidence if spec is None else spec,  # closed form: O(P) per call
             start.detach().to(dtype),
             self.sigma_noise,
+            options,
             tune_noise=tune_noise,
-            n_steps=n_steps,
-            lr=lr,
-            optimizer=optimizer,
             prior_centre=prior_from_weights(self.mean - self.prior_mean),
-            fixed_steps=fixed_steps,
             noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
             caller="Laplace.optimize_prior",
         )
@@ -581,7 +547,7 @@ class Laplace:
         check_inputs(x, self.model)
         num_samples = check_count(num_samples, "num_samples")
         chunk_size = check_count(chunk_size, "chunk_size")
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        noise_var = noise_variance(self.task, self.sigma_noise)
         if joint:
             if method != "glm" or diagonal_output:
                 raise ValueError("joint: needs method='glm' and diagonal_output=False")
@@ -595,14 +561,8 @@ class Laplace:
         if method != "glm":
             raise ValueError(f"method: expected 'glm' or 'nn', got {method!r}")
         mean, cov = glm_moments(self, x, chunk_size, diagonal_output)
-        return predictive_from_gaussian(
-            mean,
-            cov,
-            self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+        return posterior_predictive(
+            mean, cov, self.task, self.sigma_noise, link, num_samples, generator
         )
 
     @in_eval_mode

@@ -296,26 +296,16 @@ def refine_mean(
     la.mean = la.theta_star + shift
 
 
+#: what :func:`accumulate` sets, in the order of :func:`statistics`
+STATISTICS = ("_curvature", "_sigma_fit", "num_data", "_log_lik", "_grad", "_sse", "_posterior")
+
+
 def statistics(la: LaplaceFields) -> tuple[Any, ...]:
     """What :func:`accumulate` sets (to undo a refinement step without a data pass)."""
-    return (
-        la._curvature,
-        la._sigma_fit,
-        la.num_data,
-        la._log_lik,
-        la._grad,
-        la._sse,
-        la._posterior,
-    )
+    return tuple(getattr(la, name) for name in STATISTICS)
 
 
 def restore_statistics(la: LaplaceFields, state: tuple[Any, ...]) -> None:
-    (
-        la._curvature,
-        la._sigma_fit,
-        la.num_data,
-        la._log_lik,
-        la._grad,
-        la._sse,
-        la._posterior,
-    ) = state
+    """Set back what :func:`statistics` returned."""
+    for name, value in zip(STATISTICS, state, strict=True):
+        setattr(la, name, value)

@@ -30,6 +30,7 @@ import torch
 
 import gaussify as gs
 import gaussify.weight_space.laplace_predict as laplace_module  # the predictive routes
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.experiments.function_space_images import make_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--out", type=Path, default=None)
+    add_device_argument(parser)
     args = parser.parse_args()
     if args.out is None:
         suffix = "" if args.model == "mlp" else "_cnn"
@@ -84,6 +86,8 @@ def main() -> None:
         xt = ds.x_test[: args.chunk].reshape(-1, 1, 28, 28)
         model = make_cnn().eval()
         description = "LeNet-style CNN (conv 8 5x5, pool, conv 16 5x5, pool, linear), float64"
+    model = model.to(args.device)
+    x, y, xt = x.to(args.device), y.to(args.device), xt.to(args.device)
     num_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     la = gs.Laplace(model, "classification", "kron", "all").fit((x, y), batch_size=256)
@@ -95,6 +99,7 @@ def main() -> None:
         for key in samples:
             t0 = time.perf_counter()
             preds[key] = predict(la, xt, key == "dense")
+            synchronize(args.device)
             samples[key].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in samples.items()}
     ref = preds["dense"]
@@ -106,6 +111,7 @@ def main() -> None:
         "num_params": num_params,
         "chunk": int(xt.shape[0]),
         "threads": args.threads,
+        "device": str(args.device),
         "load": Path("/proc/loadavg").read_text().split()[:3],
         "torch": torch.__version__,
         "repeats": args.repeats,

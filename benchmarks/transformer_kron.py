@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument, synchronize
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "transformer_kron.json"
@@ -62,16 +63,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 20, (1024, 16), generator=gen)
     y = (x < 10).sum(1).gt(8).long()
+    x, y = x.to(args.device), y.to(args.device)
     batch = 128
-    model = TinyTransformer()
+    model = TinyTransformer().to(args.device)
     num_params = sum(p.numel() for p in model.parameters())
-    trained = TinyTransformer()
+    trained = TinyTransformer().to(args.device)
     trained.load_state_dict(model.state_dict())
 
     def run(key: str) -> tuple[float, int]:
@@ -84,6 +87,7 @@ def main() -> None:
             model.eval()
             la = gs.Laplace(model, "classification", key, "all").fit((x, y), batch_size=batch)
             stored = sum(t.numel() for t in la.state_dict()["curvature"].values())
+        synchronize(args.device)
         return time.perf_counter() - t0, stored
 
     keys = ["epoch", "kron", "diag"]
@@ -104,6 +108,7 @@ def main() -> None:
         "num_data": len(y),
         "batch_size": batch,
         "threads": args.threads,
+        "device": str(args.device),
         "load": Path("/proc/loadavg").read_text().split()[:3],
         "torch": torch.__version__,
         "repeats": args.repeats,

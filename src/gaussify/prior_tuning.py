@@ -103,10 +103,12 @@ def maximise_evidence(
     prior_centre: float | None,
     noise_start: float | None,
     caller: str,
+    progress: bool = False,
 ) -> TuningResult:
     """Maximise ``evidence`` over log P0 (from ``start``; the granularity is its shape) and,
     with ``tune_noise``, log sigma, by :func:`gaussify.tuning.tune_hyperparameters` with
-    ``options``; ``prior_centre`` / ``noise_start`` are the data-scale starts."""
+    ``options``; ``prior_centre`` / ``noise_start`` are the data-scale starts; ``progress``
+    counts the evidence evaluations on a ``tqdm`` bar."""
     return tune_hyperparameters(
         evidence,
         start,
@@ -119,4 +121,5 @@ def maximise_evidence(
         fixed_steps=options.fixed_steps,
         noise_start=noise_start,
         caller=caller,
+        progress=progress,
     )

@@ -196,11 +196,13 @@ class ELLA(DeclaredCapabilities):
         self.eig_tol = eig_tol
         self.chunk_size = chunk_size
         self.route: Route = route
-        dtype = next(model.parameters()).dtype
-        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        dtype = first.dtype
+        prior = torch.as_tensor(prior_precision, dtype=dtype, device=first.device)
+        prior = check_prior(prior).clone()
         expand_prior(prior, self.subset)
         self.prior_precision = prior
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, first.device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False

@@ -294,14 +294,16 @@ class FunctionalLaplace:
         self.route: Route = route
         dtype = next(model.parameters()).dtype
         self.prior_precision = self._validate_prior(prior_precision, dtype)
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        device = next(model.parameters()).device
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False
         self._chol: Tensor | None = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        device = next(self.model.parameters()).device
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
@@ -384,7 +386,7 @@ class FunctionalLaplace:
         one), differentiable in it."""
         self._require_fit()
         prior = self.prior_precision if prior_precision is None else prior_precision
-        prior = torch.as_tensor(prior, dtype=self._f.dtype)
+        prior = torch.as_tensor(prior, dtype=self._f.dtype, device=self._f.device)
         scales = prior_scales(prior, self.subset)
         if any(s.ndim > 0 for s in scales.values()):
             cached = self._direct

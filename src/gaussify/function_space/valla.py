@@ -199,11 +199,12 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
             )
         self.kernel = kernel
         self.subset = select_parameters(model, subset)
-        dtype = next(model.parameters()).dtype
-        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        dtype, device = first.dtype, first.device
+        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype, device=device)).clone()
         expand_prior(prior, self.subset)  # raises on a wrong granularity
         self.log_prior = prior.log().requires_grad_(learn_prior)
-        sigma = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        sigma = check_sigma_noise(sigma_noise, self.task, dtype, device).clone()
         self.log_sigma = sigma.log().requires_grad_(learn_noise)
         self.learn_prior, self.learn_noise = learn_prior, learn_noise
         self.num_inducing = num_inducing if inducing_points is None else inducing_points.shape[0]
@@ -292,7 +293,9 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
             "fewer inducing points (num_inducing), or kernel='ntk'",
             device=self.theta_star.device,
         )
-        self.chol_raw = torch.zeros(mc, mc, dtype=self.theta_star.dtype, requires_grad=True)
+        self.chol_raw = torch.zeros(
+            mc, mc, dtype=self.theta_star.dtype, device=self.theta_star.device, requires_grad=True
+        )
         self._refresh_cache()
         trainable = self._trainable()
         self._optimizer = torch.optim.Adam(trainable, lr=self.lr) if trainable else None
@@ -361,7 +364,7 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         with alpha = 0 the ELBO, eq. 14). No gradients."""
         self._require_init()
         data = self._check_data(data, "VaLLA.objective")
-        total = torch.zeros((), dtype=self.theta_star.dtype)
+        total = torch.zeros((), dtype=self.theta_star.dtype, device=self.theta_star.device)
         with torch.no_grad():
             for x, y in as_batches(data, batch_size=batch_size):
                 total = total + self.batch_objective(x, y, scale=1.0) + self.kl()
@@ -442,7 +445,7 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         data = self._check_data(data, "VaLLA.set_optimal_covariance")
         with torch.no_grad():
             chol_k = self._cholesky(self._kzz())
-            prec = torch.eye(chol_k.shape[0], dtype=chol_k.dtype)
+            prec = torch.eye(chol_k.shape[0], dtype=chol_k.dtype, device=chol_k.device)
             likelihood = self.likelihood
             if self.task == "regression":
                 likelihood = get_likelihood("regression", sigma_noise=self.log_sigma.exp())
@@ -623,9 +626,11 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
             prior = self._prior_vec()
             chol_k = self._cholesky(self._kzz())
             dtype = self.theta_star.dtype
+            # drawn where the generator lives (the host by default), then moved
             e = torch.randn(num_samples, prior.shape[0], generator=generator, dtype=dtype)
-            e = e / prior.sqrt()
+            e = e.to(prior.device) / prior.sqrt()
             xi = torch.randn(num_samples, chol_k.shape[0], generator=generator, dtype=dtype)
+            xi = xi.to(chol_k.device)
             u = xi @ (chol_k @ self.chol_v).T
             # J_Z e and J_Z^T w by jvp / vjp: no (MC, P) Jacobian is needed
             jz_e = batched_jvp(self.model, z, self.subset, e).reshape(num_samples, -1)

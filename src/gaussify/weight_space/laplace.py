@@ -61,6 +61,7 @@ from gaussify.tuning import (
     Optimizer,
     TuningResult,
     check_choice,
+    decomposition_stage,
     grid_search,
     prior_from_weights,
     residual_rms,
@@ -178,6 +179,12 @@ class Laplace(DenseViews):
     # Setting any of them drops the cached posterior precision (built lazily from them), so
     # predict / sample / posterior_* after a change use the new values.
     @property
+    def _device(self) -> torch.device:
+        """The model's device (where its first parameter lives): every tensor of the fit and
+        the predictive is created there."""
+        return next(self.model.parameters()).device
+
+    @property
     def prior_precision(self) -> Tensor:
         """Prior precision P0: a scalar, one per parameter tensor, or one per parameter."""
         return self._prior_precision
@@ -207,7 +214,7 @@ class Laplace(DenseViews):
 
     @prior_mean.setter
     def prior_mean(self, value: float | Tensor) -> None:
-        m0 = torch.as_tensor(value, dtype=self._dtype).detach()
+        m0 = torch.as_tensor(value, dtype=self._dtype, device=self._device).detach()
         p = self.subset.num_params
         if m0.ndim == 1 and m0.numel() > 1 and m0.stride(0) == 0:
             m0 = m0[0]  # a broadcast scalar (e.g. a saved scalar prior mean) stays one number
@@ -248,12 +255,12 @@ class Laplace(DenseViews):
         self._posterior = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=self._device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
     def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
-        return check_sigma_noise(sigma, self.task, self._dtype).clone()
+        return check_sigma_noise(sigma, self.task, self._dtype, self._device).clone()
 
     # ------------------------------------------------------------------ fitting
 
@@ -363,7 +370,8 @@ class Laplace(DenseViews):
         """Multiplier of the fitted G: 1/T, times sigma_fit^2 / sigma^2 for regression (the
         GGN of a Gaussian likelihood is proportional to 1/sigma^2)."""
         if self.task != "regression":
-            return torch.as_tensor(1.0 / self.temperature, dtype=self.mean.dtype)
+            mean = self.mean
+            return torch.as_tensor(1.0 / self.temperature, dtype=mean.dtype, device=mean.device)
         ratio = self._sigma_fit.square() / sigma_noise.square()
         if ratio.ndim > 0 and not torch.allclose(ratio, ratio.reshape(-1)[0].expand_as(ratio)):
             raise ValueError(
@@ -445,6 +453,7 @@ class Laplace(DenseViews):
         grid: Tensor | Sequence[float] | None = None,
         optimizer: Optimizer = "lbfgs",
         fixed_steps: bool = False,
+        progress: bool = False,
     ) -> Laplace:
         """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
         by :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
@@ -455,7 +464,10 @@ class Laplace(DenseViews):
         the current value (laplace-torch's tuning). The outcome is kept in :attr:`tuning_result`;
         ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
         prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
-        per call); elsewhere each call differentiates the dense evidence with autograd."""
+        per call); elsewhere each call differentiates the dense evidence with autograd.
+        ``progress=True`` shows the stages on ``tqdm`` bars: the factorisation of the
+        curvature (e.g. a full GGN's ``eigvalsh``, or ``eigh`` when the non-MAP correction
+        needs eigenvectors) and the evidence evaluations."""
         options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))
@@ -465,7 +477,8 @@ class Laplace(DenseViews):
         tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self.mean.dtype
         if method == "grid":
-            closed = self.spectrum("scalar", tune_noise=False)
+            with decomposition_stage(self._curvature, self.correction, progress):
+                closed = self.spectrum("scalar", tune_noise=False)
             result = grid_search(closed or self.log_marginal_likelihood, options.grid, dtype)
             self.prior_precision, self.tuning_result = result.prior_precision, result
             return self
@@ -476,7 +489,8 @@ class Laplace(DenseViews):
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
-        spec = self.spectrum(granularity, tune_noise=tune_noise)
+        with decomposition_stage(self._curvature, self.correction, progress):
+            spec = self.spectrum(granularity, tune_noise=tune_noise)
 
         def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
             prior = prior.squeeze(0) if granularity == "scalar" else prior
@@ -491,6 +505,7 @@ class Laplace(DenseViews):
             prior_centre=prior_from_weights(self.mean - self.prior_mean),
             noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
             caller="Laplace.optimize_prior",
+            progress=progress,
         )
         prior = result.prior_precision
         self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gaussify.fastpath import autodiff_safe
+
 __all__ = ["attention_forward", "capture_attention", "without_fused_fastpath"]
 
 Record = Callable[[str, Tensor, Tensor], None]
@@ -36,20 +38,11 @@ Record = Callable[[str, Tensor, Tensor], None]
 
 @contextmanager
 def without_fused_fastpath() -> Iterator[None]:
-    """Disable PyTorch's fused MHA / transformer fast path inside the block (restored after).
-
-    Kept small on purpose: the library-wide routing around fused fast paths (with its one-time
-    warning) can replace it."""
-    backend = getattr(torch.backends, "mha", None)
-    if backend is None or not hasattr(backend, "set_fastpath_enabled"):
+    """PyTorch's fused MHA / transformer fast paths and fused SDPA kernels off inside the block
+    (restored after): the library-wide :func:`gaussify.fastpath.autodiff_safe` (the family's
+    entry point already warned once per model)."""
+    with autodiff_safe():
         yield
-        return
-    before = backend.get_fastpath_enabled()
-    backend.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        backend.set_fastpath_enabled(before)
 
 
 def _projection(m: nn.MultiheadAttention, part: str) -> tuple[Tensor, Tensor | None]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from gaussify import distributed
 from gaussify.batches import Batches
@@ -26,6 +25,7 @@ from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import MIN_CHUNK_ELEMENTS, chunk_slices, jvp_with_outputs, vjp
 from gaussify.curvature.lastlayer import forward_with_features, lastlayer_jvp, lastlayer_vjp
 from gaussify.curvature.subset import expand_prior
+from gaussify.fastpath import functional_call
 from gaussify.likelihoods import all_finite
 from gaussify.validation import validated_batches
 from gaussify.weight_space.laplace_fields import LaplaceFields

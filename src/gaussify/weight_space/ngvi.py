@@ -41,12 +41,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import jacobians, jvp, jvp_with_outputs, vjp
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
+from gaussify.fastpath import functional_call
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.posterior import DeclaredCapabilities

@@ -7,7 +7,12 @@ structures people use on real networks depend on (issue 17), on ``digits`` (the 
 training rows, 8 x 8 images): an MLP 64-100-100-C (ReLU) and a CNN conv(1->16, 3, pad 1)-ReLU-
 conv(16->16, 3, pad 1)-ReLU-maxpool2-linear(256->C), batch 32 and 256, C = 2, 10, 100 outputs
 (labels y mod C, or 10 y + (row mod 10) for C = 100; not the CNN at batch 256 with C = 100),
-structures diag and kron, the exact GGN and the empirical Fisher (C = 10, batch 256).
+structures diag and kron, the exact GGN, and at C = 10 and batch 256 also the empirical Fisher
+and Monte Carlo with one sampled label (laplace-torch's ``stochastic=True``; not compared for
+agreement: the draws differ); then the last layer alone (diag, kron, full; batch 256, C = 10)
+against laplace-torch's last-layer Laplace. Backends: Curvlinops (laplace-torch's default),
+BackPack, ASDL. The run is also ``laplace_vs_laplace_torch.py --fits`` (the issue's done-when
+benchmark), which imports this module.
 Weights: the seeded initialisation (timings do not depend on training; values are compared
 on the same weights).
 
@@ -26,7 +31,14 @@ faster backend per case), then:
   with at least one backend (BackPack's KFAC of a convolution is another approximation: its
   conv blocks differ from ASDL's and gaussify's, which agree to 1e-13).
 
-Memory peaks run on the first two batches (the peak is per batch).
+Memory peaks run on the first two batches (the peak is per batch). A backend whose first fit
+takes over ``SLOW_S`` (Curvlinops' diagonal, from dense Jacobians) runs once, unprofiled.
+
+Floors, measured once per case (the first backend's subprocess): one training epoch (forward
+and backward of the summed cross-entropy per batch) and, for the exact GGN of all weights,
+gaussify's forward pass plus its C batched backward passes alone (no reduction), in the
+memory rule's chunks; ``backend_over_backward_floor`` is the best backend's whole fit over the
+latter, the most any fit that propagates the C columns could gain.
 
 Writes ``benchmarks/results/curvature_fits.json`` and prints a table.
 """

@@ -289,3 +289,31 @@ def test_backward_peak_counts_a_convolution_s_per_sample_gradients() -> None:
     # a deeper pooling: its two gradients dominate, K (in + out)
     pool_run = chain_forward([("0", nn.MaxPool2d(2))], torch.randn(3, 4, 8, 8))
     assert backward_peak(pool_run, k, set()) == k * (256 + 64)
+
+
+def test_strided_dilated_convolutions_restore_the_input_size() -> None:
+    """The convolution's adjoint (a transposed convolution) restores inputs that a stride drops
+    rows of: 8 x 8 -> 4 x 4 (stride 2, dilation 2: one row and column dropped) and 4 x 4 ->
+    1 x 1 (kernel 2, stride 3: two dropped); the diagonal GGN equals the float64 brute force."""
+    torch.manual_seed(3)
+    model = (
+        nn.Sequential(
+            nn.Conv2d(2, 3, 3, stride=2, padding=2, dilation=2),
+            nn.Tanh(),
+            nn.Conv2d(3, 2, 2, stride=3),
+            nn.Flatten(),
+            nn.Linear(2, 3),
+        )
+        .double()
+        .eval()
+    )
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 2, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    assert module_chain(model) is not None
+    curv = make_curvature("diag", model, "classification")
+    curv.update(model, x, y)
+    with torch.no_grad():
+        factor = middle_factor(get_likelihood("classification"), model(x), y, ef=False, draws=None)
+    expected = brute_diag(model, x, factor)
+    torch.testing.assert_close(curv.ggn_diag, expected, rtol=1e-10, atol=1e-13)

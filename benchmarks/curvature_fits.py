@@ -46,6 +46,7 @@ Writes ``benchmarks/results/curvature_fits.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
 import os
@@ -358,23 +359,44 @@ HEADER = (
 )
 
 
+CURVLINOPS_DIAG_NOTE = (
+    "Curvlinops' diagonal (laplace-torch's default backend) is built from dense per-sample "
+    "Jacobians, 50-100 x slower than BackPack (13.1 s vs 0.157 s on mlp/256/2/diag): timed "
+    "on mlp/256/10 (exact GGN) only"
+)
+
+
+def runs_backend(case: dict[str, Any], backend: str) -> bool:
+    """Every backend on every case, except Curvlinops on the all-weights diagonal (see
+    ``CURVLINOPS_DIAG_NOTE``), timed there on one case."""
+    if backend != "CurvlinopsGGN" or case["structure"] != "diag" or case["subset"] != "all":
+        return True
+    return (case["model"], case["batch"], case["classes"], case["flavour"]) == (
+        "mlp",
+        256,
+        10,
+        "ggn",
+    )
+
+
 def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One case: every backend in its own subprocess (the first also times the floors), the
     best backend, the agreement and whether the target is met; prints its row."""
     result: dict[str, Any] = {"case": case, "backends": {}}
-    for j, backend in enumerate(BACKENDS):
+    for backend in BACKENDS:
+        if not runs_backend(case, backend):
+            result["backends"][backend] = {"skipped": CURVLINOPS_DIAG_NOTE}
+            continue
         spec = {
             "case": case,
             "backend": backend,
             "threads": args.threads,
             "repeats": args.repeats,
             "device": args.device,
-            "floor": j == 0,
+            "floor": "floor" not in result,
         }
         result["backends"][backend] = run_worker(spec)
-    first = result["backends"][BACKENDS[0]]
-    if "floor" in first:
-        result["floor"] = first.pop("floor")
+
     ok = {b: r for b, r in result["backends"].items() if "speedup" in r}
     if not ok:
         print(f"{case_name(case)}: failed {result['backends']}", flush=True)
@@ -411,6 +433,13 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a CUDA device)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="cases run at once (each backend and gaussify "
+        "interleaved in one subprocess, so ratios stay side by side)",
+    )
     parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -421,7 +450,8 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
         parser.error("--device: CUDA is not available on this machine")
     load_start = list(os.getloadavg())
     print(HEADER, flush=True)
-    rows = [run_case(case, args) for case in cases(args.quick)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(pool.map(lambda case: run_case(case, args), cases(args.quick)))
     summary = {
         "cases": len(rows),
         "met": sum(bool(r.get("met")) for r in rows),
@@ -444,6 +474,8 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
             "load_average_start": load_start,
             "load_average_end": list(os.getloadavg()),
             "cpus": os.cpu_count(),
+            "jobs": args.jobs,
+            "curvlinops_diag": CURVLINOPS_DIAG_NOTE,
         },
         "summary": summary,
         "results": rows,

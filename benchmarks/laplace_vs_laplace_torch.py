@@ -1019,6 +1019,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fits", action="store_true", help="the curvature fits of issue 17 (curvature_fits.py)"
     )
     parser.add_argument("--device", default="cpu", help="--fits: cpu (default) or cuda")
+    parser.add_argument("--jobs", type=int, default=1, help="--fits: cases run at once")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = FITS_OUT if args.fits else DEFAULT_OUT
@@ -1049,7 +1050,7 @@ def main(argv: list[str] | None = None) -> None:
         import curvature_fits
 
         fits_argv = ["--threads", str(args.threads), "--repeats", str(args.repeats)]
-        fits_argv += ["--device", args.device, "--out", str(args.out)]
+        fits_argv += ["--device", args.device, "--out", str(args.out), "--jobs", str(args.jobs)]
         curvature_fits.main(fits_argv + (["--quick"] if args.quick else []))
         return
     torch.set_num_threads(args.threads)

@@ -381,8 +381,7 @@ def runs_backend(case: dict[str, Any], backend: str) -> bool:
 
 def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One case: every backend in its own subprocess (the first to run also times the floors),
-    the
-    best backend, the agreement and whether the target is met; prints its row."""
+    the best backend, the agreement and whether the target is met; prints its row."""
     result: dict[str, Any] = {"case": case, "backends": {}}
     for backend in BACKENDS:
         if not runs_backend(case, backend):

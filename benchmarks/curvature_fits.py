@@ -53,6 +53,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -451,8 +452,28 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
         parser.error("--device: CUDA is not available on this machine")
     load_start = list(os.getloadavg())
     print(HEADER, flush=True)
+    table = cases(args.quick)
+    rows: list[dict[str, Any]] = []
+
+    lock = threading.Lock()
+
+    def done(result: dict[str, Any]) -> dict[str, Any]:
+        with lock:  # the report after every case
+            rows.append(result)
+            write(args, rows, load_start, complete=len(rows) == len(table))
+        return result
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(lambda case: run_case(case, args), cases(args.quick)))
+        list(pool.map(lambda case: done(run_case(case, args)), table))
+    rows.sort(key=lambda r: table.index(r["case"]))
+    summary = write(args, rows, load_start, complete=True)
+    print(f"{summary['met']}/{summary['cases']} cases at >= {TARGET}x; wrote {args.out}")
+
+
+def write(
+    args: argparse.Namespace, rows: list[dict[str, Any]], load_start: list[float], complete: bool
+) -> dict[str, Any]:
+    """Write the report of the cases run so far (``complete``: all of them)."""
     summary = {
         "cases": len(rows),
         "met": sum(bool(r.get("met")) for r in rows),
@@ -476,6 +497,7 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
             "load_average_end": list(os.getloadavg()),
             "cpus": os.cpu_count(),
             "jobs": args.jobs,
+            "complete": complete,
             "curvlinops_diag": CURVLINOPS_DIAG_NOTE,
         },
         "summary": summary,
@@ -483,7 +505,7 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
-    print(f"{summary['met']}/{summary['cases']} cases at >= {TARGET}x; wrote {args.out}")
+    return summary
 
 
 if __name__ == "__main__":

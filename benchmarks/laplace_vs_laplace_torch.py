@@ -493,6 +493,8 @@ def worker(job: Job) -> dict[str, Any]:
     torch.set_num_threads(job.threads)
     warnings.filterwarnings("ignore")
     model, data = load_bundle(Path(job.workdir), job.case.model)
+    device = os.environ.get("GAUSSIFY_BENCHMARK_DEVICE", "cpu")  # --device, via the parent
+    model, data = model.to(device), {k: v.to(device) for k, v in data.items()}
     batch_size = MODEL_SPECS[job.case.model].batch_size
     loader = make_loader(data, batch_size)
     preload(job)
@@ -1019,11 +1021,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fits", action="store_true", help="the curvature fits of issue 17 (curvature_fits.py)"
     )
-    parser.add_argument("--device", default="cpu", help="--fits: cpu (default) or cuda")
+    parser.add_argument("--device", default="cpu", help="torch device for models and data")
     parser.add_argument("--jobs", type=int, default=1, help="--fits: cases run at once")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = FITS_OUT if args.fits else DEFAULT_OUT
+    if args.worker is None:  # a worker takes the parent's, from its environment
+        os.environ["GAUSSIFY_BENCHMARK_DEVICE"] = args.device
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     return args

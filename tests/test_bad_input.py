@@ -43,8 +43,8 @@ from gaussify.last_layer import (
     to_mean_field,
 )
 from gaussify.last_layer.base import VBLLHead
-from gaussify.last_layer.vbll_extras import VBLLStudentTRegression
-from gaussify.last_layer.vbll_extras_discriminative import VBLLStudentTDiscriminative
+from gaussify.last_layer.vbll_discriminative import VBLLStudentTDiscriminative
+from gaussify.last_layer.vbll_regression import VBLLStudentTRegression
 from gaussify.marglik import marglik_training
 from gaussify.memory_guard import AllocationError, max_bytes
 from gaussify.weight_space.reward import BradleyTerry, predict_reward, preference_pairs

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gaussify.curvature import jacobian as jacobian_module
-from gaussify.curvature import per_sample_vjp
+from gaussify.curvature import layer_traces, per_sample, per_sample_vjp
 from gaussify.curvature.diag import DiagGGN
 from gaussify.curvature.full import FullGGN
 from gaussify.curvature.jacobian import conv2d_patches, squared_vjp_sum
@@ -81,7 +81,7 @@ def no_generic_path():  # type: ignore[no-untyped-def]
     def fail(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the generic torch.func per-sample path was used")
 
-    return mock.patch.object(jacobian_module, "_generic_per_sample_vjp", fail)
+    return mock.patch.object(per_sample, "_generic_per_sample_vjp", fail)
 
 
 def likelihood(kind: str) -> Likelihood:
@@ -154,7 +154,7 @@ def test_conv_route_empirical_fisher_and_monte_carlo() -> None:
         )  # fmt: skip
         mc.update(model, x, y)
     torch.testing.assert_close(ef.ggn_diag, ef_expected, rtol=1e-10, atol=1e-12)
-    with mock.patch.object(jacobian_module, "_plain_conv2d", lambda _m: False):
+    with mock.patch.object(layer_traces, "_plain_conv2d", lambda _m: False):
         generic = DiagGGN(
             model, lik, mc_samples=4, generator=torch.Generator().manual_seed(7),
             last_layer_identity=False,
@@ -190,7 +190,7 @@ def test_shared_or_custom_convolutions_fall_back_to_the_generic_path() -> None:
     jac = autograd_jacobian(model, x)
     lam = Categorical().hessian(model(x).detach())
     ggn = torch.einsum("nap,nab,nbq->pq", jac, lam, jac)
-    assert list(jacobian_module._hookable_linears(model, _all(model), convs=True)) == [
+    assert list(layer_traces._hookable_linears(model, _all(model), convs=True)) == [
         "conv",
         "head",
     ]

@@ -563,3 +563,46 @@ def test_missing_sums_file_refuses_every_vendored_file_naming_it(
     finally:
         raw_mod.recorded_sha256.cache_clear()
         raw_mod.read_npz.cache_clear()
+
+
+def test_registry_is_read_from_its_data_table(tmp_path: Path) -> None:
+    """The specifications are the records of ``registry.json``: one per data set, in order, and
+    a record added to the table is a new data set (shared protocols by name, readers by
+    ``module.function``); a record naming an unknown protocol or reader is refused naming the
+    data set."""
+    import json
+
+    from gaussify.data import registry as reg
+
+    table = json.loads(reg._TABLE.read_text())
+    assert [r["name"] for r in table["datasets"]] == list(REGISTRY)
+    record = {
+        "name": "moons_copy",
+        "task": "classification",
+        "n": 1000,
+        "d": 2,
+        "num_classes": 2,
+        "protocol": "immer_uci",
+        "source": "s",
+        "original": "o",
+        "licence": "l",
+        "description": "d",
+        "reader": "synthetic.two_moons",
+        "data_seed": 0,
+    }
+    table["datasets"].append(record)
+    path = tmp_path / "registry.json"
+    path.write_text(json.dumps(table))
+    specs = reg._load_table(path)
+    assert [s.name for s in specs[:-1]] == list(REGISTRY)
+    assert specs[:-1] == tuple(REGISTRY.values())
+    new = specs[-1]
+    assert new.protocol is not None and new.protocol == REGISTRY["ionosphere"].protocol
+    assert new.reader is REGISTRY["two_moons"].reader and new.sha256 is None
+    for key, value, message in [
+        ("protocol", "nope", "unknown protocol 'nope'"),
+        ("reader", "synthetic.nope", "'synthetic.nope' is not a function"),
+    ]:
+        path.write_text(json.dumps({**table, "datasets": [{**record, key: value}]}))
+        with pytest.raises(ValueError, match=f"data set 'moons_copy': {message}"):
+            reg._load_table(path)

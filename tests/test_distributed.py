@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import gaussify as gs
 from gaussify import distributed
 from gaussify.last_layer.exact import ExactLastLayer
-from gaussify.last_layer.vbll import VBLLRegression
+from gaussify.last_layer.vbll_regression import VBLLRegression
 
 N, D, C, WORLD = 45, 4, 3, 2
 #: Process group timeout: bounds how long a rank waits for an absent peer.

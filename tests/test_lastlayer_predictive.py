@@ -136,13 +136,16 @@ def test_laplace_same_with_feature_path_on_or_off(
 
 def test_laplace_never_forms_jacobians_on_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     import gaussify.curvature.base as base_module
-    import gaussify.weight_space.laplace as laplace_module
+    import gaussify.weight_space.laplace_fit as fit_module
+    import gaussify.weight_space.laplace_predict as predict_module
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the generic torch.func path was used")
 
-    for name in ("jacobians", "vjp", "jvp_with_outputs"):
-        monkeypatch.setattr(laplace_module, name, forbidden)
+    for module in (fit_module, predict_module):  # the data passes and the predictive routes
+        for name in ("jacobians", "vjp", "jvp_with_outputs"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, forbidden)
     monkeypatch.setattr(base_module, "per_sample_vjp", forbidden)
     model, x, y, lik = _problem(4, True, seed=3)
     for structure in ("full", "diag", "kron", "lowrank"):
@@ -184,7 +187,7 @@ def test_chunked_feature_path(
     layer = la._output_layer
     _, phi = forward_with_features(model, x, layer)
     whole = la.posterior.functional_cov_lastlayer(phi, layer)
-    import gaussify.curvature.jacobian as jacobian_module
+    import gaussify.curvature.generic_jacobian as jacobian_module
 
     monkeypatch.setattr(jacobian_module, "DEFAULT_CHUNK_ELEMENTS", 50)  # ~1 sample a chunk
     torch.testing.assert_close(
@@ -342,7 +345,7 @@ def test_squared_vjp_sum_chunked_by_budget(budget: int | None) -> None:
 
 
 def test_graph_uses_count_each_parameter_use() -> None:
-    from gaussify.curvature.jacobian import _graph_uses
+    from gaussify.curvature.layer_traces import _graph_uses
 
     lin = nn.Linear(3, 3).to(DT)
     x = torch.randn(4, 3, dtype=DT)

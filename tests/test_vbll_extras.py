@@ -418,3 +418,59 @@ def test_fit_posthoc_on_frozen_features_gives_the_blr_posterior() -> None:
     torch.testing.assert_close(gen.class_counts, torch.bincount(labels, minlength=2).to(DT))
     with pytest.raises(ValueError, match="optimizer"):
         last_layer.fit_posthoc(gen, phi, labels, optimizer="sgd")
+
+
+def test_heads_share_one_gaussian_layer_plumbing() -> None:
+    """Every head builds its Gaussian layers with ``VBLLHead.add_gaussian_rows``: the mean is
+    drawn first (``randn(out, in) / sqrt(in)``; G-VBLL's class means ``randn(out, in)``), then
+    the covariance at ``min(prior_scale, 1 / in)``; a user's head gets ``W()``, the KL against
+    ``N(0, prior_scale I)`` and the inverse-Wishart noise prior from the shared pieces."""
+    from gaussify.last_layer.base import RegressionHead, WishartNoise
+    from gaussify.last_layer.noise import NoiseCovariance
+
+    d, k = 5, 3
+    for cls in (
+        last_layer.VBLLRegression,
+        last_layer.VBLLStudentTRegression,
+        last_layer.VBLLHeteroscedasticRegression,
+        last_layer.VBLLDiscriminative,
+        last_layer.VBLLStudentTDiscriminative,
+        last_layer.VBLLHeteroscedasticDiscriminative,
+        last_layer.VBLLGenerative,
+    ):
+        torch.manual_seed(3)
+        head = cls(d, k, 0.1)
+        torch.manual_seed(3)
+        first = torch.randn(k, d)
+        mean = head.mu_mean if cls is last_layer.VBLLGenerative else head.W_mean
+        expected = first if cls is last_layer.VBLLGenerative else first / math.sqrt(d)
+        assert torch.equal(mean.detach(), expected), cls.__name__
+
+    class MyHead(WishartNoise, RegressionHead):
+        def __init__(self) -> None:
+            super().__init__(d, k, 0.5, prior_scale=2.0)
+            self.set_wishart_prior(3.0, 4.0)
+            self.add_gaussian_rows("W", torch.zeros(k, d), 1, "diagonal", 2.0, None)
+            self.noise_cov = NoiseCovariance(k, "diagonal", 1.0)
+
+        def log_likelihood_bound(self, phi: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(phi.shape[0])
+
+        def predictive(self, phi: torch.Tensor) -> None:
+            return None
+
+        def log_prob(self, phi: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(phi.shape[0])
+
+        def ood_score(self, phi: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(phi.shape[0])
+
+    head = MyHead()
+    s0 = min(2.0, 1.0 / d)  # the initial variance; q = N(0, s0 I) for each of the k rows
+    kl = 0.5 * k * d * (s0 / 2.0 - 1.0 - math.log(s0 / 2.0))
+    assert float(head.kl().detach()) == pytest.approx(kl, rel=1e-5)
+    assert torch.equal(head.W().mean, head.W_mean)
+    assert head.parameterization == "diagonal" and (head.wishart_scale, head.dof) == (3.0, 4.0)
+    assert torch.equal(head.log_prior(), head.noise_cov.log_prior(4.0, 3.0))
+    with pytest.raises(ValueError, match="dof: must be > 0"):
+        head.set_wishart_prior(1.0, -1.0)

@@ -52,7 +52,7 @@ def _regression_elbo_oracle(
 
 
 def test_default_prior_variance_is_inverse_width() -> None:
-    from gaussify.last_layer.vbll import default_prior_scale
+    from gaussify.last_layer.vbll_regression import default_prior_scale
 
     for d in (1, 7, 50):
         head = last_layer.VBLLRegression(d, 2, 0.1)

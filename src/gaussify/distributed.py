@@ -245,6 +245,22 @@ def _wrap(exc: Exception, what: str) -> DistributedError:
     )
 
 
+@contextlib.contextmanager
+def _communication(what: str) -> Iterator[None]:
+    """One collective: its time and count go into the statistics; an exception other than a
+    :class:`DistributedError` is re-raised as one naming ``what``."""
+    start = time.perf_counter()
+    try:
+        yield
+    except DistributedError:
+        raise
+    except Exception as exc:
+        raise _wrap(exc, what) from exc
+    finally:
+        _STATS.comm_s += time.perf_counter() - start
+        _STATS.calls += 1
+
+
 def _exchange_status(what: str, signature: str, error: BaseException | None) -> None:
     """Open a reduction: all-reduce (failure flag, payload checksum) per rank, then raise on
     every rank if any rank failed or the payloads disagree."""
@@ -380,8 +396,7 @@ def all_reduce_sum(*values: Value, what: str = "all_reduce_sum") -> Any:
     by_dtype: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
     for i, t in tensors:
         by_dtype.setdefault(t.dtype, []).append((i, t))
-    start = time.perf_counter()
-    try:
+    with _communication(what):
         for dtype in sorted(by_dtype, key=str):
             group = by_dtype[dtype]
             flat = torch.cat([t.reshape(-1).to(device) for _, t in group])
@@ -391,13 +406,6 @@ def all_reduce_sum(*values: Value, what: str = "all_reduce_sum") -> Any:
                 reduced = part.reshape(t.shape).to(t.device)
                 v = values[i]
                 out[i] = reduced if isinstance(v, Tensor) else type(v)(reduced.item())
-    except DistributedError:
-        raise
-    except Exception as exc:
-        raise _wrap(exc, what) from exc
-    finally:
-        _STATS.comm_s += time.perf_counter() - start
-        _STATS.calls += 1
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -449,8 +457,7 @@ def all_gather_cat(*tensors: Tensor, what: str = "all_gather_cat") -> Any:
     rows = [int(t.shape[0]) for t in tensors]
     _exchange_status(what, _describe(tuple(t[:0] for t in tensors)), None)
     k, device = dist.get_world_size(), _comm_device()
-    start = time.perf_counter()
-    try:
+    with _communication(what):
         counts = torch.zeros(k, len(tensors), dtype=torch.int64, device=device)
         counts[dist.get_rank()] = torch.tensor(rows, device=device)
         dist.all_reduce(counts)
@@ -466,11 +473,6 @@ def all_gather_cat(*tensors: Tensor, what: str = "all_gather_cat") -> Any:
             out.append(
                 torch.cat([p[: int(counts[r, j])] for r, p in enumerate(parts)]).to(t.device)
             )
-    except Exception as exc:
-        raise _wrap(exc, what) from exc
-    finally:
-        _STATS.comm_s += time.perf_counter() - start
-        _STATS.calls += 1
     return out[0] if len(out) == 1 else tuple(out)
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "Predictive",
     "gaussian_samples",
     "laplace_bridge",
+    "noise_variance",
+    "posterior_predictive",
     "predictive_from_gaussian",
     "predictive_from_samples",
     "probit",
@@ -323,4 +325,32 @@ def predictive_from_samples(
     probs = None if regression else _inverse_link(f_samples, task).mean(0)
     return Predictive(
         task, f_samples.mean(0), f_samples=f_samples, noise_var=noise_var, probs=probs
+    )
+
+
+def noise_variance(task: str, sigma_noise: Tensor) -> Tensor | None:
+    """The observation noise variance sigma^2 per output (flattened) of a regression
+    likelihood; None for the other tasks (their predictive adds no noise)."""
+    return sigma_noise.square().reshape(-1) if task == "regression" else None
+
+
+def posterior_predictive(
+    f_mean: Tensor,
+    f_cov: Tensor,
+    task: str,
+    sigma_noise: Tensor,
+    link: LinkName = "probit",
+    num_samples: int = 100,
+    generator: torch.Generator | None = None,
+) -> Predictive:
+    """:func:`predictive_from_gaussian` of a posterior's output Gaussian N(f_mean, f_cov), with
+    the noise of ``sigma_noise`` added for regression (:func:`noise_variance`)."""
+    return predictive_from_gaussian(
+        f_mean,
+        f_cov,
+        task,
+        link=link,
+        noise_var=noise_variance(task, sigma_noise),
+        num_samples=num_samples,
+        generator=generator,
     )

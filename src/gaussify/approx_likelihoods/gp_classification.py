@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -52,8 +52,18 @@ from gaussify.approx_likelihoods.pseudo_targets import (
     pseudo_likelihood,
 )
 from gaussify.memory_guard import check_allocation
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import Predictive, laplace_bridge, probit
-from gaussify.state import transactional
+from gaussify.state import (
+    Choice,
+    Flag,
+    Integer,
+    StateError,
+    TensorSpec,
+    copy_state,
+    transactional,
+    validate_state,
+)
 from gaussify.tuning import BOUND_DECADES, maximize
 from gaussify.validation import check_count, check_finite
 from gaussify.warnings import ConvergenceWarning
@@ -262,7 +272,7 @@ def _positive(value: float, name: str) -> float:
     return float(value)
 
 
-class GPClassifier:
+class GPClassifier(DeclaredCapabilities):
     """Exact GP classification with a Gaussian likelihood approximation (Bui, Sec. 4.2).
 
     ``method``: ``moment-ori`` (Milios et al. 2018; gpytorch's
@@ -275,6 +285,12 @@ class GPClassifier:
     ``lengthscale`` / ``variance``: initial values (default ``sqrt(D)`` and the variance of the
     pseudo-targets). Computations run in ``dtype`` (float64 by default).
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "sample": "a GP classifier is a posterior over latent functions, with no weights to "
+        "sample; use predict(x, link='mc') (function samples at the inputs) or "
+        "predict_latent(x) for the marginal moments",
+    }
 
     def __init__(
         self,
@@ -591,12 +607,13 @@ class GPClassifier:
             raise ValueError("link: 'bridge' approximates softmax outputs; use 'probit' or 'mc'")
         mu, var = self.predict_latent(x, chunk_size)
         if link == "mc":
-            probs = torch.zeros(mu.shape[0], self._probs(mu[:1]).shape[-1], dtype=mu.dtype)
+            probs = mu.new_zeros(mu.shape[0], self._probs(mu[:1]).shape[-1])
             std = var.sqrt()
             per = max(1, (2**22) // max(1, mu.numel()))  # samples per block: bounded memory
             for start in range(0, num_samples, per):
                 s = min(per, num_samples - start)
                 eps = torch.randn((s, *mu.shape), generator=generator, dtype=mu.dtype)
+                eps = eps.to(mu.device)  # drawn where the generator lives, then moved
                 probs += self._probs(mu + std * eps).sum(0)
             probs /= num_samples
         elif link == "probit":
@@ -610,6 +627,78 @@ class GPClassifier:
             probs = self._probs(mu)
         task = "binary" if self.basis == "logit" else "classification"
         return Predictive(task, mu, f_cov=torch.diag_embed(var), probs=probs)
+
+    @transactional
+    def optimize_prior(
+        self,
+        data: tuple[Tensor, Tensor] | None = None,
+        *,
+        max_iter: int = 200,
+        tolerance_grad: float = 1e-7,
+    ) -> GPClassifier:
+        """Type-II maximum likelihood of the GP prior (the kernel's log lengthscales and log
+        variances): :meth:`optimize` from the current values; ``data = (x, y)`` is set first
+        (:meth:`set_data`, default starting hyperparameters) when the classifier has no data
+        yet, as the other families fit first when not fitted. The evidence does not decrease
+        from where it starts. Returns the classifier."""
+        if data is not None and self._x is None:
+            if not isinstance(data, tuple) or len(data) != 2:
+                raise TypeError("data: expected an (x, y) pair of tensors or None")
+            self.set_data(*data)
+        self.optimize(max_iter=max_iter, tolerance_grad=tolerance_grad)
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fitted classifier: its settings, the training data and the kernel
+        hyperparameters (tensors and plain values; the factorisation is recomputed on load)."""
+        self._require(self._x, "state_dict")
+        return copy_state(
+            {
+                "method": self.method,
+                "basis": self.basis,
+                "hyperparameters": self.hyperparameters,
+                "mean": self.mean_mode,
+                "ard": self.ard,
+                "num_classes": self.num_classes,
+                "x": self._x,
+                "y": self._y,
+                "log_lengthscale": self.log_lengthscale,
+                "log_variance": self.log_variance,
+            }
+        )
+
+    @transactional
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` into a classifier with the same settings (method,
+        basis, hyperparameter sharing, mean, ARD); validated as a whole first
+        (:mod:`gaussify.state`), a failed load changes nothing. ``strict`` is accepted for
+        the posterior protocol: a GP holds no network weights to compare."""
+        schema = {
+            "method": Choice((self.method,), "the method of this classifier"),
+            "basis": Choice((self.basis,), "the basis of this classifier"),
+            "hyperparameters": Choice((self.hyperparameters,), "this classifier's sharing"),
+            "mean": Choice((self.mean_mode,), "this classifier's mean"),
+            "ard": Flag(self.ard, "this classifier's ARD setting"),
+            "num_classes": Integer(2),
+            "x": TensorSpec(("N", None), self.dtype),
+            "y": TensorSpec(("N",), "int"),
+            "log_lengthscale": TensorSpec(("H", None), self.dtype),
+            "log_variance": TensorSpec(("H",), self.dtype),
+        }
+        valid = validate_state(state, schema, owner="GPClassifier")
+        self.set_data(valid["x"].clone(), valid["y"].clone(), valid["num_classes"])
+        assert self.log_lengthscale is not None and self.log_variance is not None
+        if valid["log_lengthscale"].shape != self.log_lengthscale.shape or (
+            valid["log_variance"].shape != self.log_variance.shape
+        ):
+            raise StateError(
+                "GPClassifier.load_state_dict: invalid state: 'log_lengthscale' / "
+                f"'log_variance': expected shapes {tuple(self.log_lengthscale.shape)} / "
+                f"{tuple(self.log_variance.shape)} for these data and settings"
+            )
+        self.log_lengthscale = valid["log_lengthscale"].clone()
+        self.log_variance = valid["log_variance"].clone()
+        self._factorise()
 
     def predict_proba(self, x: Tensor, **kwargs: object) -> Tensor:
         """Class probabilities ``(M, K)``; keyword arguments as in :meth:`predict`."""

@@ -46,15 +46,9 @@ class GaussianApproxLoss(nn.Module):
     """
 
     def __init__(
-        self,
-        method: Method = "moment",
-        basis: Basis = "log",
-        alpha_eps: Scalar = 0.1,
-        *,
-        beta_eps: Scalar | None = None,
-        noise: float = 0.1,
-        reduction: Reduction = "mean",
-    ) -> None:
+        self, method: Method = "moment", basis: Basis = "log", alpha_eps: Scalar = 0.1, *,
+        beta_eps: Scalar | None = None, noise: float = 0.1, reduction: Reduction = "mean",
+    ) -> None:  # fmt: skip
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")

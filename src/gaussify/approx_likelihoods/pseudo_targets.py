@@ -236,13 +236,9 @@ class BetaGaussian(PseudoLikelihood):
     distribution = "beta"
 
     def __init__(
-        self,
-        method: Method = "moment",
-        basis: Basis = "logit",
-        alpha_eps: Scalar = 0.1,
-        beta_eps: Scalar | None = None,
-        noise: float = 0.1,
-    ) -> None:
+        self, method: Method = "moment", basis: Basis = "logit", alpha_eps: Scalar = 0.1,
+        beta_eps: Scalar | None = None, noise: float = 0.1,
+    ) -> None:  # fmt: skip
         super().__init__(method, basis, alpha_eps, noise)
         tied = beta_eps is None
         self.beta_eps = self.alpha_eps if tied else _check_positive(beta_eps, "beta_eps")

@@ -354,17 +354,10 @@ class GaussNewtonCurvature:
     structure: ClassVar[str] = ""
 
     def __init__(
-        self,
-        model: nn.Module,
-        likelihood: str | Likelihood,
-        subset: SubsetLike = "all",
-        *,
-        ef: bool = False,
-        mc_samples: int = 0,
-        chunk_size: int | None = None,
-        generator: torch.Generator | None = None,
-        last_layer_identity: bool = True,
-    ) -> None:
+        self, model: nn.Module, likelihood: str | Likelihood, subset: SubsetLike = "all", *,
+        ef: bool = False, mc_samples: int = 0, chunk_size: int | None = None,
+        generator: torch.Generator | None = None, last_layer_identity: bool = True,
+    ) -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.likelihood = get_likelihood(likelihood)

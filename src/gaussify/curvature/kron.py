@@ -44,21 +44,14 @@ dropping the cross terms, as laplace-torch's backends do (use it to compare numb
 laplace-torch). A subset that holds only a layer's bias is supported: its block is
 ``B * A[-1, -1] / M`` (exact for Linear).
 
-**Posterior.** ``posterior(prior, scale)`` returns ``scale * G + diag(prior)`` with the prior
-added to the eigenvalues of each Kronecker block (laplace-torch's ``KronDecomposed`` without
-damping): with ``A = Q_a diag(l_a) Q_a^T``, ``B = Q_b diag(l_b) Q_b^T`` the block has
-eigenvectors ``Q_b kron Q_a`` and eigenvalues ``scale * l_b l_a^T / M + delta``, which gives
-log-determinants, solves, samples and functional covariances in closed form, differentiable
-in ``prior`` and ``scale``. The prior may be a scalar or one value per parameter tensor ("per
-layer"); a per-parameter (P,) prior must be constant within each tensor. When a joint block's
-weight and bias have different priors, the bias column carries an extra ``delta_b - delta_W``,
-which commutes with ``Q_b kron I``: per eigenvector of B it is a rank-one update handled
-exactly by Sherman-Morrison and the matrix determinant lemma.
+The posterior algebra lives in :mod:`gaussify.curvature.kron_posterior`, the per-module
+adapters in :mod:`gaussify.curvature.kron_modules`, the traced GLM predictive in
+:mod:`gaussify.curvature.kron_predictive`.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -67,31 +60,33 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.base import check_offset, summed_hessian
-from gaussify.curvature.jacobian import (
-    SubsetLike,
-    check_eval_mode,
-    linear_output_traces,
-    resolve_subset,
-    traced_jvp,
-)
+from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
-    augment,
     chain_capture,
     chain_output_grams,
     gram,
-    input_gram,
-    layer_output_grads,
 )
-from gaussify.curvature.lastlayer import (
-    OutputLinear,
-    lastlayer_chunked,
-    lastlayer_features,
-    lastlayer_index,
-    lastlayer_num_outputs,
+from gaussify.curvature.kron_mha import capture_attention
+from gaussify.curvature.kron_modules import (
+    _build_layers,
+    _columns,
+    _display,
+    _Layer,
+    _subset_offsets,
+    add_input_factor,
+    block_index,
+    output_grads,
 )
+from gaussify.curvature.kron_posterior import (
+    KronPosteriorPrecision,
+    _Block,
+    kron_block_eigh,
+)
+from gaussify.curvature.kron_predictive import traced_predictive
+from gaussify.curvature.layer_traces import _graph_uses
 from gaussify.curvature.subset import (
-    ParameterSubset,
     check_prior,
     expand_prior,
     require_whole_tensors,
@@ -104,104 +99,9 @@ from gaussify.state import (
     validate_state,
 )
 
-__all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh"]
+__all__ = ["KronGGN", "KronPosteriorPrecision", "kron_block_eigh", "traced_predictive"]
 
 KronBias = Literal["joint", "separate"]
-_SUPPORTED = (nn.Linear, nn.Conv2d)
-
-
-# ----------------------------------------------------------------------------- pure functions
-
-
-def kron_block_eigh(factor: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition ``(eigenvalues, eigenvectors)`` of a symmetric PSD Kronecker factor,
-    computed in float64 whatever the factor's dtype and returned in that dtype.
-
-    The factor is symmetrised first. Gram matrices are PSD, and ``eigh`` is backward stable:
-    every computed eigenvalue is within about ``k * eps * lambda_max`` of an exact one
-    (``k`` the size, ``eps`` the machine epsilon of the dtype it runs in). In float32 that
-    error reaches the small eigenvalues that, next to a small prior, set the GLM predictive
-    variance (a float32 model with features of mean 100 and prior 1e-4 was off by 1e-3
-    relative from its float64 twin; 1e-6 with the decomposition in float64), so it runs in
-    float64. Eigenvalues below the float64 bound (negative ones included) cannot be told
-    apart from 0 and are set to 0, so an exact null direction (the all-ones vector of a
-    softmax's summed Hessian, a feature that is always 0) stays one instead of becoming a
-    round-off eigenvalue that the scale then multiplies. (Zeroing at the float32 bound
-    instead would also remove real eigenvalues, such as those of the example above.)
-    """
-    mat = factor.to(torch.float64)
-    eigvals, eigvecs = torch.linalg.eigh(0.5 * (mat + mat.mT))
-    if eigvals.numel() == 0:
-        return eigvals.to(factor.dtype), eigvecs.to(factor.dtype)
-    tol = factor.shape[-1] * torch.finfo(mat.dtype).eps * eigvals.abs().max()
-    eigvals = torch.where(eigvals > tol, eigvals, torch.zeros_like(eigvals))
-    return eigvals.to(factor.dtype), eigvecs.to(factor.dtype)
-
-
-# ----------------------------------------------------------------------------- layer bookkeeping
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One supported module whose parameters (weight and/or bias) are in the subset."""
-
-    path: str
-    weight: str | None  # full parameter name, or None if not in the subset
-    bias: str | None
-    in_features: int  # columns of the weight matrix (C_in * kh * kw for Conv2d)
-    out_features: int
-
-    @property
-    def a_dim(self) -> int:
-        return (self.in_features if self.weight else 0) + (1 if self.bias else 0)
-
-
-def _display(path: str) -> str:
-    return repr(path) if path else "'' (the model itself)"
-
-
-def _build_layers(model: nn.Module, subset: ParameterSubset) -> list[_Layer]:
-    """Group the subset's parameters by owning module and check that KFAC supports each one."""
-    by_module: dict[str, dict[str, str]] = {}
-    for name in subset.names:
-        path, _, leaf = name.rpartition(".")
-        by_module.setdefault(path, {})[leaf] = name
-    layers = []
-    for path, leaves in by_module.items():
-        module = model.get_submodule(path)
-        if not isinstance(module, _SUPPORTED):
-            raise ValueError(
-                f"kron: parameter(s) {sorted(leaves.values())} belong to module "
-                f"{_display(path)} of type {type(module).__name__}, which Kronecker-factored "
-                "(KFAC) curvature does not support (supported: nn.Linear, nn.Conv2d); "
-                "use structure='full', 'diag' or 'lowrank', which support any module, or "
-                "leave this module out of the subset"
-            )
-        unknown = set(leaves) - {"weight", "bias"}
-        if unknown:
-            raise ValueError(
-                f"kron: module {_display(path)} ({type(module).__name__}) has parameters "
-                f"{sorted(unknown)} besides weight/bias, which KFAC does not support"
-            )
-        if isinstance(module, nn.Conv2d):
-            if module.groups != 1:
-                raise ValueError(
-                    f"kron: Conv2d module {_display(path)} has groups={module.groups}; "
-                    "KFAC supports groups=1 only (use structure='full', 'diag' or 'lowrank')"
-                )
-            in_features = module.in_channels * math.prod(module.kernel_size)
-            out_features = module.out_channels
-        else:
-            in_features, out_features = module.in_features, module.out_features
-        layers.append(
-            _Layer(path, leaves.get("weight"), leaves.get("bias"), in_features, out_features)
-        )
-    return layers
-
-
-def _columns(ly: _Layer, names: list[str]) -> tuple[str, ...]:
-    """A block's columns, in order: "weight" (the weight's ``in`` columns), "bias" (the last)."""
-    return tuple("weight" if name == ly.weight else "bias" for name in names)
 
 
 def _as_tensor(value: Tensor | float, like: Tensor) -> Tensor:
@@ -210,37 +110,18 @@ def _as_tensor(value: Tensor | float, like: Tensor) -> Tensor:
     return torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
-def _subset_offsets(subset: ParameterSubset) -> dict[str, int]:
-    offsets, pos = {}, 0
-    for name, numel in zip(subset.names, subset.numels, strict=True):
-        offsets[name] = pos
-        pos += numel
-    return offsets
+def _traced(ly: _Layer | None, names: list[str]) -> tuple[str | None, tuple[str, ...]]:
+    """(module, columns) of a block for the traced predictive: only a plain layer's block
+    (not an exact block, an Embedding's transposed one or an attention's projection)."""
+    if ly is None or ly.part or ly.transposed:
+        return None, ()
+    return ly.path, _columns(ly, names)
 
 
-# ----------------------------------------------------------------------------- posterior
-
-
-@dataclass(frozen=True)
-class _Block:
-    """One Kronecker block over an ``(out, d)`` matrix: precision
-    ``Q diag(eig) Q^T + shift * diag(last column)`` with ``Q = q_out kron q_in``.
-
-    ``index (out, d)`` holds each entry's position in subset order. ``shift`` (or None) is
-    ``delta_bias - delta_weight`` for a joint weight+bias block whose two tensors have
-    different prior precisions; the bias is the last column.
-    """
-
-    index: Tensor
-    q_out: Tensor
-    q_in: Tensor
-    eig: Tensor  # (out, d): eigenvalues of scale * G + delta_weight
-    shift: Tensor | None = None
-    #: the owning module's path and the block's columns, ("weight",), ("bias",) or
-    #: ("weight", "bias") (None: unknown, e.g. a block built by hand): used by
-    #: :meth:`KronPosteriorPrecision.functional_cov_traced`
-    module: str | None = None
-    columns: tuple[str, ...] = ()
+def _rotate(m: Tensor, q_out: Tensor, q_in: Tensor | None) -> Tensor:
+    """``Q_out^T m Q_in`` in float64 (``Q_in = None``: the identity)."""
+    m = q_out.to(torch.float64).T @ m
+    return m if q_in is None else m @ q_in.to(torch.float64)
 
 
 @dataclass(frozen=True)
@@ -253,361 +134,14 @@ class _Basis:
     (a joint block's weight), and the checked permutation ``(perm, inv_perm)``. A posterior
     step is then ``eig = scale * prod + prior[tensor]``: O(P), no factorisation."""
 
-    specs: list[tuple[_Layer, str, list[str]]]
+    specs: list[tuple[_Layer | None, str, list[str]]]
     index: list[Tensor]
     q_out: list[Tensor]
-    q_in: list[Tensor]
+    q_in: list[Tensor | None]
     shapes: list[tuple[int, int]]
     prod: Tensor
     prior_of: Tensor
     permutation: tuple[Tensor, Tensor]
-
-
-@dataclass(frozen=True)
-class _RankOne:
-    """Sherman-Morrison terms of a block with a bias shift ``c``, per eigenvector ``i`` of B.
-
-    In the basis ``q_out kron q_in`` the precision is block-diagonal over ``i`` with blocks
-    ``diag(E_i) + c u u^T``, ``u = q_in[-1, :]`` (the bias row). With ``K_i = diag(1/E_i)``:
-    ``ue_i = K_i u``, ``h_i = u^T K_i u``, ``denom_i = 1 + c h_i`` (> 0) and
-    ``beta_i = c / denom_i``, so that ``(diag(E_i) + c u u^T)^-1 = K_i - beta_i ue_i ue_i^T``
-    and ``log det = sum log E_i + log denom_i``.
-    """
-
-    ue: Tensor  # (out, d)
-    h: Tensor  # (out,)
-    denom: Tensor  # (out,)
-    beta: Tensor  # (out,)
-
-
-def _rank_one(b: _Block) -> _RankOne | None:
-    if b.shift is None:
-        return None
-    u = b.q_in[-1]
-    ue = u / b.eig
-    h = (u * ue).sum(-1)
-    denom = 1 + b.shift * h
-    return _RankOne(ue, h, denom, b.shift / denom)
-
-
-class KronPosteriorPrecision:
-    """Block-diagonal Kronecker posterior precision ``A = scale * G + diag(prior)``, Sigma = A^-1.
-
-    Every vector is in the subset's flattened order (``model.named_parameters()``), shape
-    ``(..., P)``. All operations work in each block's Kronecker eigenbasis (plus a rank-one
-    Sherman-Morrison term per row when a joint block's weight and bias have different priors),
-    so they cost ``O(out^3 + d^3)`` per block rather than ``O(P^3)``, and are differentiable
-    wrt the prior precision and the GGN scale.
-    """
-
-    def __init__(
-        self,
-        blocks: list[_Block],
-        num_params: int,
-        *,
-        permutation: tuple[Tensor, Tensor] | None = None,
-        eig_flat: Tensor | None = None,
-    ) -> None:
-        """``blocks`` must cover the P subset positions exactly once (checked, unless a
-        ``permutation`` ``(perm, inv_perm)`` that was checked before is passed, as
-        :meth:`KronGGN.posterior` does once per fit). ``eig_flat`` (P,), if given, is the
-        concatenation of the blocks' ``eig`` (block order), of which they are views; it turns
-        :meth:`logdet` into one ``log().sum()``."""
-        self.blocks = blocks
-        self.num_params = num_params
-        if permutation is None:
-            perm = torch.cat([b.index.reshape(-1) for b in blocks])
-            if perm.numel() != num_params or not torch.equal(
-                torch.sort(perm).values, torch.arange(num_params, device=perm.device)
-            ):
-                raise ValueError(
-                    "kron: the Kronecker blocks do not cover the parameters exactly once"
-                )
-            permutation = (perm, torch.argsort(perm))
-        self._perm, self._inv_perm = permutation  # block order <-> subset position
-        self._sizes = [b.eig.numel() for b in blocks]
-        self._r1 = [_rank_one(b) for b in blocks]
-        self._eig_flat = eig_flat
-
-    # -- helpers
-    def _split(self, v: Tensor) -> list[Tensor]:
-        """``(..., P)`` in subset order -> list of ``(..., out, d)`` block matrices."""
-        parts = torch.split(v[..., self._perm], self._sizes, dim=-1)
-        return [
-            p.reshape(*v.shape[:-1], *b.eig.shape) for p, b in zip(parts, self.blocks, strict=True)
-        ]
-
-    def _merge(self, mats: list[Tensor]) -> Tensor:
-        """Inverse of :meth:`_split`."""
-        flat = torch.cat([m.reshape(*m.shape[:-2], -1) for m in mats], dim=-1)
-        return flat[..., self._inv_perm]
-
-    @staticmethod
-    def _to_eigbasis(b: _Block, m: Tensor) -> Tensor:
-        return b.q_out.mT @ m @ b.q_in
-
-    @staticmethod
-    def _from_eigbasis(b: _Block, m: Tensor) -> Tensor:
-        return b.q_out @ m @ b.q_in.mT
-
-    @staticmethod
-    def _bias_column(b: _Block, m: Tensor) -> Tensor:
-        """``m`` with every column but the last (bias) zeroed."""
-        mask = torch.zeros(b.eig.shape[-1], dtype=m.dtype, device=m.device)
-        mask[-1] = 1
-        return m * mask
-
-    def _inner_cov(self, b: _Block, r1: _RankOne | None) -> Tensor:
-        """Sigma in the block's eigenbasis, ``(out * d, out * d)``."""
-        if r1 is None:
-            return torch.diag(b.eig.reciprocal().reshape(-1))
-        inner = torch.diag_embed(b.eig.reciprocal()) - r1.beta[:, None, None] * (
-            r1.ue.unsqueeze(-1) * r1.ue.unsqueeze(-2)
-        )
-        return torch.block_diag(*inner.unbind(0))
-
-    def _dense(self, covariance: bool) -> Tensor:
-        mats = []
-        for b, r1 in zip(self.blocks, self._r1, strict=True):
-            q = torch.kron(b.q_out, b.q_in)
-            if covariance:
-                mats.append(q @ self._inner_cov(b, r1) @ q.mT)
-            else:
-                mat = (q * b.eig.reshape(-1)) @ q.mT
-                if b.shift is not None:
-                    diag = self._bias_column(b, torch.ones_like(b.eig)).reshape(-1)
-                    mat = mat + torch.diag(b.shift * diag)
-                mats.append(mat)
-        dense = torch.block_diag(*mats)
-        return dense[self._inv_perm][:, self._inv_perm]
-
-    # -- protocol
-    def logdet(self) -> Tensor:
-        """``log det A`` (scalar): ``sum log eig`` plus ``sum log denom`` of the rank-one terms."""
-        if self._eig_flat is not None and all(r1 is None for r1 in self._r1):
-            return self._eig_flat.log().sum()
-        total = 0
-        for b, r1 in zip(self.blocks, self._r1, strict=True):
-            total = total + b.eig.log().sum()
-            if r1 is not None:
-                total = total + r1.denom.log().sum()
-        return total
-
-    def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """``(n, P)`` draws from ``N(0, A^-1)``."""
-        ref = self.blocks[0].eig
-        z = torch.randn(n, self.num_params, generator=generator, dtype=ref.dtype, device=ref.device)
-        mats = []
-        for b, r1, zb in zip(self.blocks, self._r1, torch.split(z, self._sizes, -1), strict=True):
-            xi = zb.reshape(n, *b.eig.shape)
-            if r1 is not None:
-                # K^1/2 (I - alpha w w^T) xi with w = K^1/2 u and (I - alpha w w^T)^2 =
-                # I - beta w w^T, i.e. alpha = (1 - denom^-1/2) / h.
-                w = r1.ue * b.eig.sqrt()
-                alpha = (1 - r1.denom.rsqrt()) / r1.h
-                xi = xi - (alpha * (xi * w).sum(-1)).unsqueeze(-1) * w
-            mats.append(self._from_eigbasis(b, xi * b.eig.rsqrt()))
-        return self._merge(mats)
-
-    def solve(self, v: Tensor) -> Tensor:
-        """``A^-1 v`` for ``v (..., P)``."""
-        mats = []
-        for b, r1, m in zip(self.blocks, self._r1, self._split(v), strict=True):
-            w = self._to_eigbasis(b, m)
-            x = w / b.eig
-            if r1 is not None:
-                x = x - (r1.beta * (w * r1.ue).sum(-1)).unsqueeze(-1) * r1.ue
-            mats.append(self._from_eigbasis(b, x))
-        return self._merge(mats)
-
-    def matvec(self, v: Tensor) -> Tensor:
-        """``A v`` for ``v (..., P)``."""
-        mats = []
-        for b, m in zip(self.blocks, self._split(v), strict=True):
-            out = self._from_eigbasis(b, self._to_eigbasis(b, m) * b.eig)
-            if b.shift is not None:
-                out = out + b.shift * self._bias_column(b, m)
-            mats.append(out)
-        return self._merge(mats)
-
-    def functional_cov(self, jac: Tensor) -> Tensor:
-        """``J Sigma J^T`` for ``jac (N, C, P)`` -> ``(N, C, C)``."""
-        out = 0
-        for b, r1, m in zip(self.blocks, self._r1, self._split(jac), strict=True):
-            jt = self._to_eigbasis(b, m)  # (N, C, out, d)
-            out = out + torch.einsum("ncij,nkij->nck", jt / b.eig, jt)
-            if r1 is not None:
-                p = (jt * r1.ue).sum(-1)  # (N, C, out)
-                out = out - torch.einsum("nci,nki->nck", p * r1.beta, p)
-        return out
-
-    def functional_var(self, jac: Tensor) -> Tensor:
-        """Diagonal of :meth:`functional_cov`, ``(N, C)``, without forming the C x C blocks."""
-        out = 0
-        for b, r1, m in zip(self.blocks, self._r1, self._split(jac), strict=True):
-            jt = self._to_eigbasis(b, m)
-            out = out + (jt.square() / b.eig).sum((-2, -1))
-            if r1 is not None:
-                out = out - ((jt * r1.ue).sum(-1).square() * r1.beta).sum(-1)
-        return out
-
-    @staticmethod
-    def _row_variances(b: _Block, r1: _RankOne | None, feats: Tensor) -> Tensor:
-        """``s (N, out)`` for block features ``feats (N, d)`` (a Jacobian row ``e_i f_n^T``
-        per output row i): with ``psi_n = Q_A^T f_n``,
-        ``s_ni = sum_j psi_nj^2 / E_ij - beta_i (ue_i . psi_n)^2``, the variance of the
-        eigenbasis row i's coordinates along ``psi_n`` (rows are uncorrelated, also with the
-        bias rank-one term, which is per row)."""
-        psi = feats.to(b.q_in.dtype) @ b.q_in  # (N, d)
-        s = psi.square() @ b.eig.reciprocal().mT
-        if r1 is not None:
-            s = s - r1.beta * (psi @ r1.ue.mT).square()
-        return s
-
-    def traced_blocks(self) -> bool:
-        """Whether every block knows its module and columns (:meth:`functional_cov_traced`)."""
-        return all(b.module is not None and b.columns for b in self.blocks)
-
-    def functional_cov_traced(
-        self, traces: dict[str, tuple[Tensor, Tensor]], diagonal: bool = False
-    ) -> Tensor:
-        """``J Sigma J^T`` ``(N, C, C)`` (its diagonal ``(N, C)`` with ``diagonal``) when
-        every block belongs to a linear layer ``s = W a + b``, from ``traces``: module path ->
-        ``(a (N, in), delta (C, N, out))`` with ``delta_c`` the gradient of ``f_c`` wrt ``s``
-        (:func:`gaussify.curvature.jacobian.linear_output_traces`).
-
-        The block's Jacobian rows are rank one, ``J_c = delta_c f^T`` with block features
-        ``f = [a, 1]`` (or ``a``, or ``[1]``, by the block's columns), so in the eigenbasis
-        ``Q_out^T J_c Q_in = u_c psi^T`` with ``u_c = Q_out^T delta_c``, ``psi = Q_in^T f``
-        and ``J_c Sigma J_k^T = sum_i u_ci u_ki s_i``, ``s`` from :meth:`_row_variances`:
-        O(N (d^2 + out d + C out^2 + C^2 out)) per block instead of the dense route's
-        O(N C (out^2 d + out d^2)), and no ``(N, C, P)`` Jacobian. Equal to
-        :meth:`functional_cov` of the Jacobian in exact arithmetic.
-        """
-        if not self.traced_blocks():
-            raise ValueError("kron: these blocks do not name their layers; use functional_cov")
-        out: Tensor | int = 0
-        for b, r1 in zip(self.blocks, self._r1, strict=True):
-            assert b.module is not None
-            a, delta = traces[b.module]
-            feats = augment(a.unsqueeze(1), "weight" in b.columns, "bias" in b.columns)
-            s = self._row_variances(b, r1, feats[:, 0])  # (N, out)
-            u = delta.to(b.q_out.dtype) @ b.q_out  # (C, N, out)
-            if diagonal:
-                out = out + torch.einsum("cni,ni->nc", u.square(), s)
-            else:
-                ut = u.transpose(0, 1)  # (N, C, out)
-                out = out + (ut * s.unsqueeze(1)) @ ut.mT
-        assert isinstance(out, Tensor)
-        return out
-
-    def _lastlayer_terms(self, phi: Tensor, layer: OutputLinear) -> list[tuple[Tensor, Tensor]]:
-        """``[(Q_B (C, C), s (N, C))]`` with ``J_n Sigma J_n^T = sum Q_B diag(s_n) Q_B^T`` on a
-        final ``nn.Linear`` subset, one term per distinct ``Q_B`` (two blocks of one layer,
-        as with ``kron_bias="separate"``, share it, so their ``s`` are summed).
-
-        A block over the ``(C, d)`` matrix ``m`` with block features ``f_n`` (columns of
-        ``[phi_n, 1]``) has ``J_n m = m f_n = Q_B X psi_n`` with ``X`` the eigenbasis
-        coordinates and ``psi_n = Q_A^T f_n``; the coordinates of different rows ``i`` are
-        uncorrelated (also with the bias rank-one term, which is per row), so
-        ``s_ni = sum_j psi_nj^2 / E_ij - beta_i (ue_i . psi_n)^2``: O(N (d^2 + C d)).
-        """
-        dim = phi.shape[1]
-        c = lastlayer_num_outputs(self.num_params, dim, layer)
-        device = self._perm.device
-        index = lastlayer_index(c, dim, layer, device=device)
-        width = index.shape[1]
-        row_of = torch.empty(self.num_params, dtype=torch.long, device=device)
-        col_of = torch.empty_like(row_of)
-        row_of[index.reshape(-1)] = torch.arange(c, device=device).repeat_interleave(width)
-        col_of[index.reshape(-1)] = torch.arange(width, device=device).repeat(c)
-        feats = lastlayer_features(phi, layer)
-        rows = torch.arange(c, device=device).unsqueeze(-1)
-        terms: dict[int, tuple[Tensor, Tensor]] = {}
-        for b, r1 in zip(self.blocks, self._r1, strict=True):
-            cols = col_of[b.index[0]]
-            if (
-                b.index.shape[0] != c
-                or not torch.equal(row_of[b.index], rows.expand_as(b.index))
-                or not torch.equal(col_of[b.index], cols.expand_as(b.index))
-            ):
-                raise ValueError(
-                    f"kron: the Kronecker blocks do not match the [W, b] layout of the output "
-                    f"layer {layer.name!r}; use functional_cov with Jacobians"
-                )
-            s = self._row_variances(b, r1, feats[:, cols])  # (N, C)
-            key = id(b.q_out)
-            terms[key] = (b.q_out, s if key not in terms else terms[key][1] + s)
-        return list(terms.values())
-
-    def functional_cov_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
-        """``J Sigma J^T`` ``(N, C, C)`` from the output layer's features ``phi (N, D)``:
-        ``Q_B diag(s_n) Q_B^T`` (see :meth:`_lastlayer_terms`), O(N (d^2 + C d + C^3)), with
-        no Jacobian and no ``(C d)``-sized intermediate per sample."""
-        terms = self._lastlayer_terms(phi, layer)
-        c = terms[0][0].shape[0]
-        svals = torch.stack([s for _, s in terms], dim=1)  # (N, T, C)
-
-        def block(sl_s: Tensor) -> Tensor:
-            out = 0
-            for t, (q, _) in enumerate(terms):
-                out = out + (q * sl_s[:, t, None, :]) @ q.mT
-            return out
-
-        return lastlayer_chunked(block, svals, 2 * c * c, (c, c))
-
-    def functional_var_lastlayer(self, phi: Tensor, layer: OutputLinear) -> Tensor:
-        """Diagonal of :meth:`functional_cov_lastlayer`, ``(N, C)``: ``s_n (Q_B^2)^T``, O(N C^2)
-        beyond the features' O(N (d^2 + C d))."""
-        return sum(s @ q.square().mT for q, s in self._lastlayer_terms(phi, layer))
-
-    def precision_dense(self) -> Tensor:
-        """``A`` as a dense ``(P, P)`` matrix (small models / tests)."""
-        return self._dense(covariance=False)
-
-    def covariance_dense(self) -> Tensor:
-        """``Sigma = A^-1`` as a dense ``(P, P)`` matrix."""
-        return self._dense(covariance=True)
-
-    def covariance_diag(self) -> Tensor:
-        """``diag(Sigma)``, ``(P,)``: ``(Q_out^2) diag(1/eig) (Q_in^2)^T`` per block (minus the
-        rank-one terms)."""
-        mats = []
-        for b, r1 in zip(self.blocks, self._r1, strict=True):
-            diag = b.q_out.square() @ b.eig.reciprocal() @ b.q_in.square().mT
-            if r1 is not None:
-                r = r1.ue @ b.q_in.mT  # (out, d): row i is Q_in K_i u
-                diag = diag - b.q_out.square() @ (r1.beta.unsqueeze(-1) * r.square())
-            mats.append(diag)
-        return self._merge(mats)
-
-
-def traced_predictive(
-    post: KronPosteriorPrecision,
-    model: nn.Module,
-    x: Tensor,
-    subset: ParameterSubset,
-    shift: Tensor,
-    diagonal: bool = False,
-) -> tuple[Tensor, Tensor] | None:
-    """The GLM predictive ``(f + J shift (N, C), J Sigma J^T (N, C, C))`` of a Kronecker
-    posterior over plain ``nn.Linear`` layers without the ``(N, C, P)`` Jacobian: one forward
-    pass with hooks and C backward passes give each layer's inputs and output gradients
-    (:func:`gaussify.curvature.jacobian.linear_output_traces`), then
-    :meth:`KronPosteriorPrecision.functional_cov_traced`; the covariance is
-    ``diag_embed`` of the variances with ``diagonal``. None when some parameter of ``subset``
-    is not on that route (a convolution, another module, a shared weight, ...): use the
-    Jacobian."""
-    if not post.traced_blocks():
-        return None
-    traced = linear_output_traces(model, x, subset)
-    if traced is None:
-        return None
-    f, traces = traced
-    mean = f + traced_jvp(traces, subset.unflatten(shift))
-    pairs = {path: (tr.inputs, tr.deltas) for path, tr in traces.items()}
-    cov = post.functional_cov_traced(pairs, diagonal)
-    return mean, torch.diag_embed(cov) if diagonal else cov
 
 
 # ----------------------------------------------------------------------------- curvature
@@ -621,8 +155,12 @@ class KronGGN:
     factors, normalisation, ordering and bias conventions. Memory is bounded by one batch of
     layer inputs and pre-activation gradients; no per-sample parameter Jacobians are formed.
 
-    ``subset``: "all", "last_layer", names, or a ParameterSubset; every module it touches must
-    be an ``nn.Linear`` or ``nn.Conv2d`` (groups=1), else ``ValueError`` names the module.
+    ``subset``: "all", "last_layer", names, or a ParameterSubset. ``nn.Linear`` (any leading
+    sequence dimensions), ``nn.Conv1d/2d/3d`` (groups=1), ``nn.Embedding`` (diagonal A) and
+    ``nn.MultiheadAttention``'s projections get Kronecker blocks
+    (:mod:`gaussify.curvature.kron_modules`); every other parameter an exact GGN block, full
+    up to ``exact_full_max`` entries (default 1024), diagonal above
+    (:mod:`gaussify.curvature.kron_exact`), so no model is refused.
     ``kfac_approx``: weight-sharing variant ("expand" | "reduce"); ``kron_bias``: "joint" |
     "separate" (module docstring); ``chunk_size``: samples per forward/backward chunk inside
     ``update`` (None = the whole batch). Exact KFAC costs C backward passes per chunk, MC KFAC
@@ -647,6 +185,7 @@ class KronGGN:
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
         kron_bias: KronBias = "joint",
+        exact_full_max: int = EXACT_FULL_MAX,
         **kw: Any,
     ) -> None:
         if kw:
@@ -665,6 +204,12 @@ class KronGGN:
             raise ValueError(f"kron_bias: expected 'joint' or 'separate', got {kron_bias!r}")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
             raise ValueError(f"mc_samples: expected an int >= 0, got {mc_samples!r}")
+        if (
+            isinstance(exact_full_max, bool)
+            or not isinstance(exact_full_max, int)
+            or (exact_full_max < 0)
+        ):
+            raise ValueError(f"exact_full_max: expected an int >= 0, got {exact_full_max!r}")
         if ef and mc_samples:
             raise ValueError(
                 "ef=True uses the observed targets; it cannot be combined with mc_samples > 0"
@@ -679,31 +224,44 @@ class KronGGN:
         self.kron_bias: KronBias = kron_bias
         self.generator = generator
         self.num_data = 0
-        self._layers = _build_layers(model, subset)
+        self._layers, exact = _build_layers(model, subset)
         self._offsets = _subset_offsets(subset)
-        ref = next(iter(subset.params(model).values()))
+        params = subset.params(model)
+        ref = next(iter(params.values()))
         dd = {"dtype": ref.dtype, "device": ref.device}
+        numels = [params[n].numel() for n in exact]
+        full = [k for k in numels if k <= exact_full_max]
 
         def big_side(ly: _Layer) -> int:
             return max(ly.a_dim, ly.out_features)
 
         big = max(self._layers, key=big_side, default=None)
         check_allocation(
-            sum(ly.a_dim**2 + ly.out_features**2 for ly in self._layers),
+            sum(
+                (ly.a_dim if ly.diagonal else ly.a_dim**2) + ly.out_features**2
+                for ly in self._layers
+            )
+            + sum(k * k for k in full)
+            + sum(numels),
             ref.dtype,
             "structure='kron': the Kronecker factors"
-            + ("" if big is None else f" (largest: {big.path!r}, side {big_side(big):,})"),
+            + ("" if big is None else f" (largest: {big.name!r}, side {big_side(big):,})"),
             "structure='diag' or 'lowrank', or a subset without that layer",
             device=ref.device,
         )
-        self._a = {ly.path: torch.zeros(ly.a_dim, ly.a_dim, **dd) for ly in self._layers}
+        self._a = {
+            ly.name: torch.zeros((ly.a_dim,) if ly.diagonal else (ly.a_dim, ly.a_dim), **dd)
+            for ly in self._layers
+        }
         self._b = {
-            ly.path: torch.zeros(ly.out_features, ly.out_features, **dd) for ly in self._layers
+            ly.name: torch.zeros(ly.out_features, ly.out_features, **dd) for ly in self._layers
         }
         # Sample counts in float64: N * T can pass float32's exact-integer range.
         self._m = {
-            ly.path: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
+            ly.name: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
         }
+        self._exact_full_max = exact_full_max
+        self._exact = ExactBlocks(model, exact, numels, exact_full_max, ref.dtype, ref.device)
         self._dtype = ref.dtype
         self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
         self._basis_cache: _Basis | None = None
@@ -772,23 +330,34 @@ class KronGGN:
     ) -> None:
         # an nn.Sequential of supported modules: one forward pass without a graph, and the K
         # output vectors go back together (kron_grams.chain_output_grams)
-        chained = chain_capture(model, list(modules), x)
+        chained = chain_capture(model, list(modules), x) if self._layers else None
         if chained is not None:
             run, captured = chained
             f = run.output
         else:
             f, captured = self._hooked_forward(model, modules, x)
-        for path, calls in captured.items():
-            if len(calls) != 1:
+        bad = self._not_kronecker(model, f, captured, chained is None)
+        if bad:
+            path, why = bad
+            if self.num_data:
                 raise ValueError(
-                    f"kron: module {_display(path)} ({type(modules[path]).__name__}) was called "
-                    f"{len(calls)} times in one forward pass; KFAC needs exactly one call per "
-                    "layer (use structure='full', 'diag' or 'lowrank' for shared modules)"
+                    f"kron: module {_display(path)} ({type(modules[path]).__name__}) {why} in "
+                    "this batch but not in the earlier ones; KFAC's blocks are fixed at the "
+                    "first batch"
                 )
+            warnings.warn(
+                f"kron: module {_display(path)} ({type(modules[path]).__name__}) {why}, so "
+                "its parameters have no Kronecker form; they get exact GGN blocks",
+                stacklevel=4,
+            )
+            self._demote(model, path)
+            modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
+            self._update_chunk(model, modules, x, y, offset)
+            return
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"kron: the model must return outputs f of shape (N, C), got {shape}")
-        outs = [captured[ly.path][0][1] for ly in self._layers]
+        outs = [captured[ly.name][0][1] for ly in self._layers]
         if self._final_only and any(o is not f for o in outs):
             self._final_only = False  # cannot happen for one model; redo with a graph
             self._update_chunk(model, modules, x, y, offset)
@@ -796,7 +365,7 @@ class KronGGN:
         for ly, o in zip(self._layers, outs, strict=True):
             if chained is None and o is not f and not o.requires_grad:
                 raise ValueError(
-                    f"kron: the output of module {_display(ly.path)} does not require grad; "
+                    f"kron: the output of module {_display(ly.name)} does not require grad; "
                     "are its parameters frozen or is the model run under torch.no_grad()?"
                 )
 
@@ -813,22 +382,23 @@ class KronGGN:
                 # the output layer alone: keep (f, its input features) for Laplace.fit,
                 # which then needs no forward pass of its own (GaussNewtonCurvature's
                 # ``last_outputs``)
-                phi = captured[final[0].path][0][0]
+                phi = captured[final[0].name][0][0]
                 self._kept = (at, phi) if phi.ndim == 2 else None
             exact = not self.ef and not self.mc_samples
             # exact on the chain route: the (K, B, C) vectors per chunk of samples, not all N
             rowwise = exact and chained is not None
-            vecs = self._output_vectors(at, y) if (inner and not rowwise) or not exact else None
+            wanted = (inner and not rowwise) or not exact or bool(self._exact.names)
+            vecs = self._output_vectors(at, y) if wanted else None
             for ly in final:
                 # The output layer's B is summed in float64 whatever the model's dtype: a
                 # softmax's sum_n Lambda_n has the exact null direction 1 (every Lambda_n 1 = 0;
                 # the residuals sum to 0 too), which float32 sums over N samples turn into an
                 # eigenvalue of order N * eps that the posterior multiplies by lambda(A) / M.
                 # C x C numbers, so the cost is nil.
-                b = self._b[ly.path]
+                b = self._b[ly.name]
                 if b.dtype != torch.float64:
-                    self._b[ly.path] = b = b.to(torch.float64)
-                if vecs is None:
+                    self._b[ly.name] = b = b.to(torch.float64)
+                if vecs is None or exact:
                     summed_hessian(self.likelihood, at.to(torch.float64), out=b)
                 else:
                     gram(vecs.transpose(0, 1).to(torch.float64), "expand", "sum", out=b)
@@ -853,24 +423,79 @@ class KronGGN:
                     materialize_grads=True,
                 )
                 for (ly, _), g in zip(inner, grads, strict=True):
-                    g = layer_output_grads(modules[ly.path], g)
-                    gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
+                    g = output_grads(ly, modules[ly.path], g)
+                    gram(g, self._approx(ly), "sum", out=self._b[ly.name])
             for ly in self._layers:
-                self._m[ly.path] += input_gram(
-                    modules[ly.path],
-                    captured[ly.path][0][0],
-                    (ly.path, ly.weight is not None, ly.bias is not None),
-                    self.kfac_approx,
-                    self._a[ly.path],
+                inp = captured[ly.name][0][0]
+                if self._approx(ly) == "reduce" and inp.shape[0] != f.shape[0]:
+                    raise ValueError(
+                        f"kfac_approx='reduce' averages each data point's locations, but the "
+                        f"input of module {_display(ly.path)} has shape {tuple(inp.shape)}, "
+                        f"whose first dimension is not the {f.shape[0]} data points (e.g. a "
+                        "sequence-first layer); use kfac_approx='expand', which sums over all "
+                        "rows and does not depend on their order"
+                    )
+                self._m[ly.name] += add_input_factor(
+                    ly, modules[ly.path], inp, self.kfac_approx, self._a[ly.name]
                 )
+        if vecs is not None and self._exact.names:
+            self._exact.update(model, x, vecs)
         self.num_data += int(f.shape[0])
+
+    def _not_kronecker(
+        self, model: nn.Module, f: Tensor, captured: dict[str, list], hooked: bool
+    ) -> tuple[str, str] | None:
+        """(module path, reason) of the first layer that is not a single linear map in this
+        forward pass: called other than once (a module reused, or bypassed), or (hooked
+        route, first batch) a parameter that enters the graph of f more than once (a weight
+        tied to another module's)."""
+        for ly in self._layers:
+            calls = len(captured[ly.name])
+            if calls != 1:
+                return ly.path, f"was called {calls} times in one forward pass"
+        if not hooked or self.num_data or not isinstance(f, Tensor) or f.grad_fn is None:
+            return None
+        uses = _graph_uses(f)
+        for ly in self._layers:
+            if ly.part:  # the packed in-projection is sliced once per part by design
+                continue
+            for name in (ly.weight, ly.bias):
+                if name is not None and uses.get(id(model.get_parameter(name)), 0) > 1:
+                    return ly.path, f"shares its parameter {name!r} with another use"
+        return None
+
+    def _demote(self, model: nn.Module, path: str) -> None:
+        """Move every block of module ``path`` to exact blocks (before any data was added)."""
+        gone = [ly for ly in self._layers if ly.path == path]
+        names = set(self._exact.names)
+        for ly in gone:
+            names |= {n for n in (ly.weight, ly.bias) if n}
+            for store in (self._a, self._b, self._m):
+                store.pop(ly.name)
+        self._layers = [ly for ly in self._layers if ly.path != path]
+        ordered = [n for n in self.subset.names if n in names]
+        params = self.subset.params(model)
+        ref = params[ordered[0]]
+        self._exact = ExactBlocks(
+            model,
+            ordered,
+            [params[n].numel() for n in ordered],
+            self._exact_full_max,
+            ref.dtype,
+            ref.device,
+        )
+        self._invalidate()
+
+    def _approx(self, ly: _Layer) -> KFACApprox:
+        """The layer's weight-sharing variant: an Embedding always expands (module doc)."""
+        return "expand" if ly.diagonal else self.kfac_approx
 
     def _hooked_forward(
         self, model: nn.Module, modules: dict[str, nn.Module], x: Tensor
     ) -> tuple[Tensor, dict[str, list[tuple[Tensor, Tensor]]]]:
         """f and {path: [(input, output) of each call]} from a forward pass with hooks, with a
         graph unless every layer's output is the model output (learned on the first chunk)."""
-        captured: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in modules}
+        captured: dict[str, list[tuple[Tensor, Tensor]]] = {ly.name: [] for ly in self._layers}
 
         def make_hook(path: str):
             def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
@@ -878,9 +503,24 @@ class KronGGN:
 
             return hook
 
-        handles = [m.register_forward_hook(make_hook(p)) for p, m in modules.items()]
+        def record(path: str, part: str, inp: Tensor, out: Tensor) -> None:
+            key = f"{path}:{part}"
+            if key in captured:
+                captured[key].append((inp.detach(), out))
+
+        hooked = {ly.path for ly in self._layers if not ly.part}
+        # every attention owning a block (its in-projection, or out_proj, which only the
+        # functional forward calls as a module)
+        paths = {ly.path for ly in self._layers}
+        attention = {
+            p: m
+            for p, m in model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+            and (p in paths or (f"{p}.out_proj" if p else "out_proj") in paths)
+        }
+        handles = [modules[p].register_forward_hook(make_hook(p)) for p in hooked]
         try:
-            with torch.set_grad_enabled(not self._final_only):
+            with torch.set_grad_enabled(not self._final_only), capture_attention(attention, record):
                 f = model(x)
         finally:
             for h in handles:
@@ -896,14 +536,23 @@ class KronGGN:
         do not modify them in place. The B of a layer whose output is the model output is
         float64 whatever the model's dtype (see :meth:`update`)."""
         return {
-            ly.path: (self._a[ly.path], self._b[ly.path], self._m[ly.path]) for ly in self._layers
+            ly.name: (self._a[ly.name], self._b[ly.name], self._m[ly.name]) for ly in self._layers
         }
+
+    def exact_blocks(self) -> dict[str, Tensor]:
+        """``{parameter name: exact GGN block}``, ``(k, k)`` or its diagonal ``(k,)``, of the
+        parameters without a Kronecker form (:mod:`gaussify.curvature.kron_exact`)."""
+        return dict(self._exact.g)
 
     def _eigh(self, path: str, which: str) -> tuple[Tensor, Tensor]:
         key = (path, which)
         if key not in self._eig_cache:
             if which == "B":
                 mat = self._b[path]
+            elif which == "A" and self._a[path].ndim == 1:  # diagonal A: identity eigenbasis
+                a_diag = self._a[path].clamp_min(0).to(self._dtype)
+                self._eig_cache[key] = (a_diag, None)
+                return self._eig_cache[key]
             elif which == "A":
                 mat = self._a[path]
             elif which == "A_weight":
@@ -921,12 +570,21 @@ class KronGGN:
         specs = self._block_specs()
         position = {name: i for i, name in enumerate(self.subset.names)}
         index, q_out, q_in, shapes, prods, prior_of = [], [], [], [], [], []
+        device = self._exact_device()
         for ly, which, names in specs:
-            lam_b, q_b = self._eigh(ly.path, "B")
-            lam_a, q_a = self._eigh(ly.path, which)
-            m = self._m[ly.path].clamp_min(1.0).to(lam_a.dtype)
-            prod = torch.outer(lam_b, lam_a / m)
-            index.append(self._block_index(ly, names))
+            if ly is None:  # an exact block: one output row, B = [1], M = 1
+                lam_a, q_a = self._exact.eigh(names[0])
+                lam_a, q_a = lam_a.to(self._dtype), None if q_a is None else q_a.to(self._dtype)
+                q_b = torch.ones(1, 1, dtype=self._dtype, device=device)
+                prod = lam_a.unsqueeze(0)
+                off = self._offsets[names[0]]
+                index.append(off + torch.arange(prod.shape[1], device=device).unsqueeze(0))
+            else:
+                lam_b, q_b = self._eigh(ly.name, "B")
+                lam_a, q_a = self._eigh(ly.name, which)
+                m = self._m[ly.name].clamp_min(1.0).to(lam_a.dtype)
+                prod = torch.outer(lam_b, lam_a / m)
+                index.append(block_index(ly, names, self._offsets, device))
             q_out.append(q_b)
             q_in.append(q_a)
             shapes.append((prod.shape[0], prod.shape[1]))
@@ -949,28 +607,21 @@ class KronGGN:
         )
         return self._basis_cache
 
-    def _block_specs(self) -> list[tuple[_Layer, str, list[str]]]:
-        """``(layer, which A, parameter names)`` for each Kronecker block, in layer order."""
-        specs = []
+    def _exact_device(self) -> torch.device:
+        return next(iter((*self._b.values(), *self._exact.g.values()))).device
+
+    def _block_specs(self) -> list[tuple[_Layer | None, str, list[str]]]:
+        """``(layer, which A, parameter names)`` for each Kronecker block, in layer order,
+        then ``(None, "exact", [name])`` for each exact block."""
+        specs: list[tuple[_Layer | None, str, list[str]]] = []
         for ly in self._layers:
             if ly.weight and ly.bias and self.kron_bias == "separate":
                 specs.append((ly, "A_weight", [ly.weight]))
                 specs.append((ly, "A_bias", [ly.bias]))
             else:
                 specs.append((ly, "A", [n for n in (ly.weight, ly.bias) if n]))
+        specs += [(None, "exact", [name]) for name in self._exact.names]
         return specs
-
-    def _block_index(self, ly: _Layer, names: list[str]) -> Tensor:
-        """Subset positions of the block's ``(out, d)`` matrix entries."""
-        cols = []
-        rows = torch.arange(ly.out_features).unsqueeze(-1)
-        for name in names:
-            off = self._offsets[name]
-            if name == ly.weight:
-                cols.append(off + rows * ly.in_features + torch.arange(ly.in_features))
-            else:
-                cols.append(off + rows)
-        return torch.cat(cols, dim=-1).to(self._b[ly.path].device)
 
     def _tensor_priors(self, prior: Tensor) -> dict[str, Tensor] | Tensor:
         """The prior as one scalar, or one scalar per parameter tensor of the subset."""
@@ -1007,7 +658,7 @@ class KronGGN:
         and bias may differ, also within a joint block), or (P,) values that are constant
         within each parameter tensor.
         """
-        ref = self._a[self._layers[0].path]  # the model's dtype (a final B is float64)
+        ref = torch.empty((), dtype=self._dtype, device=self._exact_device())  # model's dtype
         # Python floats go straight to the factors' dtype (as_tensor would round them to
         # float32 first); tensors are cast differentiably.
         prior = check_prior(_as_tensor(prior_precision, ref))
@@ -1028,7 +679,7 @@ class KronGGN:
                     shifts[i] = priors[names[1]] - priors[names[0]]
         eigs = torch.split(eig_flat, [a * b for a, b in basis.shapes])
         blocks = [
-            _Block(index, q_b, q_a, eig.view(shape), shift, ly.path, _columns(ly, names))
+            _Block(index, q_b, q_a, eig.view(shape), shift, *_traced(ly, names))
             for index, q_b, q_a, eig, shape, shift, (ly, _, names) in zip(
                 basis.index,
                 basis.q_out,
@@ -1064,7 +715,7 @@ class KronGGN:
         for v in vectors:
             v64 = v.to(torch.float64)
             parts = [
-                (q_b.to(torch.float64).T @ v64[index] @ q_a.to(torch.float64)).reshape(-1)
+                _rotate(v64[index], q_b, q_a).reshape(-1)
                 for index, q_b, q_a in zip(basis.index, basis.q_out, basis.q_in, strict=True)
             ]
             projections.append(torch.cat(parts))
@@ -1075,9 +726,10 @@ class KronGGN:
         """Factors ``A.<path>``, ``B.<path>``, normalisers ``M.<path>`` and ``num_data``."""
         state: dict[str, Tensor] = {"num_data": torch.tensor(self.num_data)}
         for ly in self._layers:
-            state[f"A.{ly.path}"] = self._a[ly.path].clone()
-            state[f"B.{ly.path}"] = self._b[ly.path].clone()
-            state[f"M.{ly.path}"] = self._m[ly.path].clone()
+            state[f"A.{ly.name}"] = self._a[ly.name].clone()
+            state[f"B.{ly.name}"] = self._b[ly.name].clone()
+            state[f"M.{ly.name}"] = self._m[ly.name].clone()
+        state.update(self._exact.state())
         return state
 
     def state_schema(self) -> dict[str, Any]:
@@ -1086,9 +738,10 @@ class KronGGN:
         schema: dict[str, Any] = {"num_data": Integer()}
         wide = (self._dtype, torch.float64)
         for ly in self._layers:
-            schema[f"A.{ly.path}"] = TensorSpec(tuple(self._a[ly.path].shape), self._dtype)
-            schema[f"B.{ly.path}"] = TensorSpec(tuple(self._b[ly.path].shape), wide)
-            schema[f"M.{ly.path}"] = TensorSpec((), torch.float64, nonnegative=True)
+            schema[f"A.{ly.name}"] = TensorSpec(tuple(self._a[ly.name].shape), self._dtype)
+            schema[f"B.{ly.name}"] = TensorSpec(tuple(self._b[ly.name].shape), wide)
+            schema[f"M.{ly.name}"] = TensorSpec((), torch.float64, nonnegative=True)
+        schema.update(self._exact.schema())
         return schema
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -1096,7 +749,8 @@ class KronGGN:
         valid = validate_state(state, self.state_schema(), owner="KronGGN")
         for ly in self._layers:
             for prefix, store in (("A", self._a), ("B", self._b), ("M", self._m)):
-                value = valid[f"{prefix}.{ly.path}"]
-                store[ly.path] = value.to(device=store[ly.path].device).clone()
+                value = valid[f"{prefix}.{ly.name}"]
+                store[ly.name] = value.to(device=store[ly.name].device).clone()
+        self._exact.load(valid)
         self.num_data = valid["num_data"]
         self._invalidate()

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.jacobian import auto_chunk_size, chunk_slices
-from gaussify.curvature.subset import ParameterSubset
+from gaussify.curvature.subset import ParameterSubset, tied_parameters
 
 __all__ = [
     "OutputLinear",
@@ -74,6 +74,8 @@ def find_output_linear(model: nn.Module, subset: ParameterSubset) -> OutputLinea
     # A subclass may override forward; only the plain affine map has the identity.
     if type(module).forward is not nn.Linear.forward or not isinstance(module, nn.Linear):
         return None
+    if set(subset.names) & set(tied_parameters(model)):
+        return None  # a tensor also used by another module: J is not I ⊗ phi alone
     prefix = f"{name}." if name else ""
     names = set(subset.names)
     if not names <= {f"{prefix}weight", f"{prefix}bias"}:
@@ -152,27 +154,22 @@ def lastlayer_diag(
 
     With ``out`` (P,) the sum is added to it in place (one matmul into its weight block), so
     no P-sized temporary exists; otherwise a new (P,) tensor is returned."""
-    num_outputs = middle_diag.shape[1]
-    size = num_outputs * (phi.shape[1] * layer.has_weight + layer.has_bias)
-    if out is None:
-        out = middle_diag.new_zeros(size)
-    elif out.shape != (size,):
-        raise ValueError(f"out: expected shape ({size},), got {tuple(out.shape)}")
-    middle = middle_diag.to(out.dtype)
-    offset = 0
-    if layer.has_weight:
-        block = out[: num_outputs * phi.shape[1]].view(num_outputs, phi.shape[1])
-        block.addmm_(middle.T, phi.to(out.dtype).square())
-        offset = block.numel()
-    if layer.has_bias:
-        out[offset:] += middle.sum(0)
-    return out
+    return _accumulate(phi, middle_diag, layer, out, square=True)
 
 
 def lastlayer_vjp(phi: Tensor, u: Tensor, layer: OutputLinear, out: Tensor | None = None) -> Tensor:
     """sum_n J_n^T u_n = [vec(sum_n u_n phi_n^T), sum_n u_n], shape (P,); u (N, C).
 
     With ``out`` (P,) the sum is added to it in place (no P-sized temporary)."""
+    return _accumulate(phi, u, layer, out)
+
+
+def _accumulate(
+    phi: Tensor, u: Tensor, layer: OutputLinear, out: Tensor | None, square: bool = False
+) -> Tensor:
+    """``[vec(sum_n u_n phi_n^T), sum_n u_n]`` (P,) from ``phi (N, D)`` (squared elementwise
+    in ``out``'s dtype when ``square``) and ``u (N, C)``, added into ``out`` in place when
+    given (one matmul into its weight block), else new."""
     num_outputs = u.shape[1]
     size = num_outputs * (phi.shape[1] * layer.has_weight + layer.has_bias)
     if out is None:
@@ -183,7 +180,8 @@ def lastlayer_vjp(phi: Tensor, u: Tensor, layer: OutputLinear, out: Tensor | Non
     offset = 0
     if layer.has_weight:
         block = out[: num_outputs * phi.shape[1]].view(num_outputs, phi.shape[1])
-        block.addmm_(u.T, phi.to(out.dtype))
+        x = phi.to(out.dtype)
+        block.addmm_(u.T, x.square() if square else x)
         offset = block.numel()
     if layer.has_bias:
         out[offset:] += u.sum(0)

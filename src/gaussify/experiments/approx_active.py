@@ -27,15 +27,12 @@ from typing import Any
 import torch
 
 from gaussify import data as gdata
-from gaussify.cli_args import ArgumentParser, positive_int
+from gaussify.cli_args import positive_int
 from gaussify.experiments._report import (
-    add_output_arguments,
-    add_progress_argument,
-    check_outputs,
     progress_bar,
-    report,
     run_main,
 )
+from gaussify.experiments._runner import cli
 from gaussify.last_layer.active import active_learning
 from gaussify.plots import save_figure
 
@@ -292,30 +289,22 @@ def plot(result: ActiveResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_active [options]``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment approx_active",
-        description="Bui Sec. 4.3 / Fig. 5: active learning of a Bayesian logistic regression "
-        "with logit-basis Gaussian pseudo-likelihoods, max-entropy vs random acquisition.",
-    )
-    parser.add_argument("--datasets", nargs="+", default=None, help="magic breast_cancer")
-    parser.add_argument("--seeds", type=positive_int, default=8)
-    parser.add_argument("--steps", type=positive_int, default=200)
-    parser.add_argument("--pool-size", type=positive_int, default=2000)
-    parser.add_argument("--quick", action="store_true", help="breast_cancer, 1 seed, 20 steps")
-    add_output_arguments(parser, "write the curves PNG")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        datasets=args.datasets,
-        seeds=args.seeds,
-        quick=args.quick,
-        steps=args.steps,
-        pool_size=args.pool_size,
-        progress=args.progress,
+    options = [
+        ("--datasets", dict(nargs="+", default=None, help="magic breast_cancer")),
+        ("--seeds", dict(type=positive_int, default=8)),
+        ("--steps", dict(type=positive_int, default=200)),
+        ("--pool-size", dict(type=positive_int, default=2000)),
+        ("--quick", dict(action="store_true", help="breast_cancer, 1 seed, 20 steps")),
+    ]
+    description = (
+        "Bui Sec. 4.3 / Fig. 5: active learning of a Bayesian logistic regression with "
+        "logit-basis Gaussian pseudo-likelihoods, max-entropy vs random acquisition."
     )
     title = "Test accuracy / NLL (mean over seeds) against labelled points"
-    return report(res, args, title=title, plot=plot)
+    return cli(
+        argv, "approx_active", description, options, run, title=title, plot=plot,
+        figure_help="write the curves PNG",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

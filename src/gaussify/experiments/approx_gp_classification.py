@@ -45,6 +45,7 @@ from gaussify import metrics
 from gaussify.approx_likelihoods.gp_classification import GPClassifier
 from gaussify.cli_args import ArgumentParser, positive_float, positive_int
 from gaussify.experiments._report import add_progress_argument, check_outputs, run_main, write_json
+from gaussify.experiments._runner import choose_datasets, seed_list, torch_threads
 
 __all__ = [
     "DATASETS",
@@ -322,26 +323,11 @@ def run(
     run (restored after). Deterministic given these arguments.
     """
     start, cpu_start = time.perf_counter(), time.process_time()
-    available = set(gdata.list())
-    if datasets is None:
-        chosen = [d for d in (QUICK_DATASETS if quick else DATASETS) if d in available]
-    else:
-        chosen = list(datasets)
-        unknown = [d for d in chosen if d not in available]
-        if unknown:
-            raise ValueError(f"datasets: unknown {unknown}; available: {sorted(available)}")
-        wrong = [d for d in chosen if gdata.info(d).task != "classification"]
-        if wrong:
-            raise ValueError(f"datasets: {wrong} are not classification data sets")
+    chosen = choose_datasets(datasets, DATASETS, QUICK_DATASETS, quick=quick, task="classification")
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise ValueError(f"methods: expected a non-empty subset of {list(METHODS)}, got {bad}")
-    if isinstance(splits, int):
-        if splits <= 0:
-            raise ValueError(f"splits: must be a positive integer, got {splits}")
-        seeds = list(range(2 if quick else splits))
-    else:
-        seeds = [int(s) for s in splits]
+    seeds = seed_list(splits, 2, quick=quick, name="splits")
     if alpha_grid is not None and (not alpha_grid or any(not a > 0 for a in alpha_grid)):
         raise ValueError(f"alpha_grid: needs positive values, got {list(alpha_grid)}")
     if quick:
@@ -366,11 +352,8 @@ def run(
     if quick:
         cfg["max_train"] = {}
     tasks = [(n, s, m) for n in chosen for s in seeds for m in methods]
-    old_threads = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
     records: list[dict[str, Any]] = []
-    try:
+    with torch_threads(num_threads):
         for k, (name, split, method) in enumerate(tasks):
             rec = _run_one(name, split, method, cfg["alpha_grid"], cfg)
             records.append(rec)
@@ -382,8 +365,6 @@ def run(
                     file=sys.stderr,
                     flush=True,
                 )
-    finally:
-        torch.set_num_threads(old_threads)
     notes = [
         "Exact GP regression on a stratified training subsample (paper: SVGP, 200 inducing "
         "points, full training sets); 70/15/15 splits, validation part unused.",

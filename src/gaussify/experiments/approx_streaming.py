@@ -38,15 +38,12 @@ from torch import Tensor
 
 from gaussify import data as gdata
 from gaussify import metrics
-from gaussify.cli_args import ArgumentParser, positive_float, positive_int
+from gaussify.cli_args import positive_float, positive_int
 from gaussify.experiments._report import (
-    add_output_arguments,
-    add_progress_argument,
-    check_outputs,
     progress_bar,
-    report,
     run_main,
 )
+from gaussify.experiments._runner import cli
 from gaussify.last_layer.adf import ADFLastLayer, SGDLastLayer
 from gaussify.last_layer.exact import ExactLastLayer
 from gaussify.plots import save_figure
@@ -485,34 +482,24 @@ def plot(result: StreamingResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_streaming [options]``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment approx_streaming",
-        description="Bui Sec. 4.3 / Fig. 4: streaming random-feature last layers with Gaussian "
-        "likelihood approximations (exact Kalman updates) vs ADF and SGD with momentum.",
-    )
-    parser.add_argument("--datasets", nargs="+", default=None, help="default mnist fashion_mnist")
-    parser.add_argument("--seeds", type=positive_int, default=3)
-    parser.add_argument("--num-points", type=positive_int, default=2000)
-    parser.add_argument("--width", type=positive_int, default=256)
-    parser.add_argument("--batch-size", type=positive_int, default=10)
-    parser.add_argument("--prior-logit-var", type=positive_float, default=10.0)
-    parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 200 points")
-    add_output_arguments(parser, "write the Fig. 4 PNG")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        datasets=args.datasets,
-        seeds=args.seeds,
-        quick=args.quick,
-        num_points=args.num_points,
-        width=args.width,
-        batch_size=args.batch_size,
-        prior_logit_var=args.prior_logit_var,
-        progress=args.progress,
+    options = [
+        ("--datasets", dict(nargs="+", default=None, help="default mnist fashion_mnist")),
+        ("--seeds", dict(type=positive_int, default=3)),
+        ("--num-points", dict(type=positive_int, default=2000)),
+        ("--width", dict(type=positive_int, default=256)),
+        ("--batch-size", dict(type=positive_int, default=10)),
+        ("--prior-logit-var", dict(type=positive_float, default=10.0)),
+        ("--quick", dict(action="store_true", help="mnist, 1 seed, 200 points")),
+    ]
+    description = (
+        "Bui Sec. 4.3 / Fig. 4: streaming random-feature last layers with Gaussian likelihood "
+        "approximations (exact Kalman updates) vs ADF and SGD with momentum."
     )
     title = "Test log-likelihood ± s.e. (accuracy) against points seen"
-    return report(res, args, title=title, plot=plot)
+    return cli(
+        argv, "approx_streaming", description, options, run, title=title, plot=plot,
+        figure_help="write the Fig. 4 PNG",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

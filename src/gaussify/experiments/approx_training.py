@@ -18,6 +18,12 @@ predictive probability (Table 1's criterion; the OOD set is the other image set'
 Scaled from the paper (VGG-11 / ResNet-18 on CIFAR-10, DistilBERT on IMDB, 10 runs, GPUs) to
 a LeNet-sized CNN, 2000 training images of MNIST / Fashion-MNIST and the 8x8 *digits*, 10
 epochs (digits 30) of AdamW (lr 1e-3, decoupled weight decay 1e-4, batch 64), three seeds.
+The Gaussian losses pin each logit to its pseudo-target (softmax's shift invariance is lost)
+and converge more slowly than cross-entropy: at 10 epochs (320 steps on MNIST, seed 0) they
+trail it (accuracy 0.873 / 0.901 for moment-ori / variational vs 0.936); with ``epochs=40``
+they match it (0.959 / 0.959 vs 0.961; NLL 0.154 / 0.147 vs 0.145), as in the paper's
+200-epoch Table 1 (issue 19; the 40-epoch run of the whole table did not fit the shared
+machine's time).
 """
 
 from __future__ import annotations
@@ -36,15 +42,12 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods import GaussianApproxLoss
 from gaussify.approx_likelihoods.pseudo_targets import SUPPORTED_BASES
-from gaussify.cli_args import ArgumentParser, positive_float, positive_int
+from gaussify.cli_args import positive_float, positive_int
 from gaussify.experiments._report import (
-    add_output_arguments,
-    add_progress_argument,
-    check_outputs,
     progress_bar,
-    report,
     run_main,
 )
+from gaussify.experiments._runner import cli
 from gaussify.plots import save_figure
 
 __all__ = [
@@ -467,39 +470,27 @@ def plot(result: ApproxTrainingResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment approx_training [options]``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment approx_training",
-        description="Bui Sec. 4.1 / Tables 1, 2, 4: a small CNN trained with cross-entropy and "
-        "with each Gaussian likelihood approximation (ACC, NLL, ECE, OOD AUROC).",
+    options = [
+        ("--datasets", dict(nargs="+", default=None, help="mnist fashion_mnist digits")),
+        ("--binary-datasets", dict(nargs="*", default=None, help="default mnist")),
+        ("--seeds", dict(type=positive_int, default=3)),
+        ("--max-train", dict(type=positive_int, default=2000)),
+        ("--epochs", dict(type=positive_int, default=None, help="default 10 (digits 30)")),
+        ("--alphas", dict(nargs="+", type=positive_float, default=None, help=_ALPHAS_HELP)),
+        ("--quick", dict(action="store_true", help="mnist, 1 seed, 1 epoch")),
+    ]
+    description = (
+        "Bui Sec. 4.1 / Tables 1, 2, 4: a small CNN trained with cross-entropy and with each "
+        "Gaussian likelihood approximation (ACC, NLL, ECE, OOD AUROC)."
     )
-    parser.add_argument("--datasets", nargs="+", default=None, help="mnist fashion_mnist digits")
-    parser.add_argument("--binary-datasets", nargs="*", default=None, help="default mnist")
-    parser.add_argument("--seeds", type=positive_int, default=3)
-    parser.add_argument("--max-train", type=positive_int, default=2000)
-    parser.add_argument("--epochs", type=positive_int, default=None, help="default 10 (digits 30)")
-    parser.add_argument(
-        "--alphas",
-        nargs="+",
-        type=positive_float,
-        default=None,
-        help="Table 4 sweep, e.g. 0.01 0.05 0.1",
-    )
-    parser.add_argument("--quick", action="store_true", help="mnist, 1 seed, 1 epoch")
-    add_output_arguments(parser, "write a PNG of the table")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        datasets=args.datasets,
-        binary_datasets=args.binary_datasets,
-        seeds=args.seeds,
-        quick=args.quick,
-        max_train=args.max_train,
-        epochs=args.epochs,
-        alphas=args.alphas,
-        progress=args.progress,
-    )
-    return report(res, args, title="Test metrics, mean ± s.e. over seeds", plot=plot)
+    return cli(
+        argv, "approx_training", description, options, run,
+        title="Test metrics, mean ± s.e. over seeds", plot=plot,
+        figure_help="write a PNG of the table",
+    )  # fmt: skip
+
+
+_ALPHAS_HELP = "Table 4 sweep, e.g. 0.01 0.05 0.1"
 
 
 if __name__ == "__main__":

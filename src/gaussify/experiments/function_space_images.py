@@ -27,12 +27,10 @@ scaled for a 2-core CPU:
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,12 +39,11 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
-from gaussify.cli_args import ArgumentParser, finite_float, nonnegative_int, positive_int
+from gaussify.cli_args import finite_float, nonnegative_int, positive_int
 from gaussify.experiments._report import (
-    add_progress_argument,
-    check_outputs,
     run_main,
 )
+from gaussify.experiments._runner import cli
 from gaussify.experiments.function_space_regression import (
     WEIGHT_SPACE,
     run_datasets,
@@ -230,7 +227,7 @@ def run(
     fl_subset: int | None = None,
     ella_landmarks: int | None = None,
     num_inducing: int | None = None,
-    valla_epochs: int = 3,
+    valla_epochs: int = 10,
     keep_predictions: bool = False,
     num_threads: int | None = 1,
     progress: bool = False,
@@ -375,40 +372,17 @@ def demo_function_space(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment function_space_images [--quick] [--output J]``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment function_space_images",
-        description="VaLLA Sec. 5.3 scaled: MNIST / FMNIST with LLA variants, OOD and rotation.",
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes")
-    parser.add_argument("--datasets", nargs="+", default=None)
-    parser.add_argument("--methods", nargs="+", default=None)
-    parser.add_argument("--angles", type=finite_float, nargs="+", default=None)
-    parser.add_argument("--max-train", type=positive_int, default=None)
-    parser.add_argument("--epochs", type=positive_int, default=None)
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        quick=args.quick,
-        datasets=args.datasets,
-        methods=args.methods,
-        angles=args.angles,
-        max_train=args.max_train,
-        epochs=args.epochs,
-        seed=args.seed,
-        progress=args.progress,
-    )
-    print(res.table())
-    for note in res.notes:
-        print("note:", note)
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    options = [
+        ("--quick", dict(action="store_true", help="tiny sizes")),
+        ("--datasets", dict(nargs="+", default=None)),
+        ("--methods", dict(nargs="+", default=None)),
+        ("--angles", dict(type=finite_float, nargs="+", default=None)),
+        ("--max-train", dict(type=positive_int, default=None)),
+        ("--epochs", dict(type=positive_int, default=None)),
+        ("--seed", dict(type=nonnegative_int, default=0)),
+    ]
+    description = "VaLLA Sec. 5.3 scaled: MNIST / FMNIST with LLA variants, OOD and rotation."
+    return cli(argv, "function_space_images", description, options, run)
 
 
 if __name__ == "__main__":

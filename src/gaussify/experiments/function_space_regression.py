@@ -25,12 +25,10 @@ CQM (eq. 22). Here the same comparison runs on the two largest bundled regressio
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,13 +36,12 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
-from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_int
+from gaussify.cli_args import nonnegative_int, positive_int
 from gaussify.experiments._report import (
-    add_progress_argument,
-    check_outputs,
     progress_bar,
     run_main,
 )
+from gaussify.experiments._runner import cli
 from gaussify.predictive import Predictive
 
 __all__ = [
@@ -235,7 +232,7 @@ def run(
     width: int | None = None,
     num_inducing: int = 100,
     fl_subset: int | None = None,
-    valla_epochs: int = 3,
+    valla_epochs: int = 10,
     sampled_samples: int = 16,
     sampled_epochs: int = 2,
     keep_predictions: bool = False,
@@ -357,39 +354,17 @@ def _notes(records: list[dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment function_space_regression [--quick] [--output J]``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment function_space_regression",
-        description="VaLLA Sec. 5.2 scaled: LLA variants on the largest bundled regression sets.",
-    )
-    parser.add_argument("--quick", action="store_true", help="power, 300 rows, small MLP")
-    parser.add_argument("--datasets", nargs="+", default=None)
-    parser.add_argument("--methods", nargs="+", default=None)
-    parser.add_argument("--max-train", type=positive_int, default=None)
-    parser.add_argument("--epochs", type=positive_int, default=None)
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        quick=args.quick,
-        datasets=args.datasets,
-        methods=args.methods,
-        max_train=args.max_train,
-        epochs=args.epochs,
-        seed=args.seed,
-        progress=args.progress,
-    )
-    print("Test metrics in standardised units (lower is better)")
-    print(res.table())
-    for note in res.notes:
-        print("note:", note)
-    print(f"runtime {res.runtime_s:.1f} s")
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.output}")
-    return 0
+    options = [
+        ("--quick", dict(action="store_true", help="power, 300 rows, small MLP")),
+        ("--datasets", dict(nargs="+", default=None)),
+        ("--methods", dict(nargs="+", default=None)),
+        ("--max-train", dict(type=positive_int, default=None)),
+        ("--epochs", dict(type=positive_int, default=None)),
+        ("--seed", dict(type=nonnegative_int, default=0)),
+    ]
+    title = "Test metrics in standardised units (lower is better)"
+    description = "VaLLA Sec. 5.2 scaled: LLA variants on the largest bundled regression sets."
+    return cli(argv, "function_space_regression", description, options, run, title=title)
 
 
 if __name__ == "__main__":

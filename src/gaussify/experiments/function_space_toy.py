@@ -36,15 +36,12 @@ from torch import Tensor, nn
 
 import gaussify as gs
 from gaussify import metrics
-from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_int
+from gaussify.cli_args import nonnegative_int, positive_int
 from gaussify.experiments._report import (
-    add_output_arguments,
-    add_progress_argument,
-    check_outputs,
     progress_bar,
-    report,
     run_main,
 )
+from gaussify.experiments._runner import cli
 from gaussify.plots import save_figure
 from gaussify.predictive import Predictive
 
@@ -327,31 +324,30 @@ def plot(result: ToyResults, path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``gaussify experiment function_space_toy [--quick] [--figure F] [--output J]``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment function_space_toy",
-        description="VaLLA paper Fig. 1: LLA vs VaLLA, ELLA and Sampled-LLA on a 1-D toy.",
-    )
-    parser.add_argument("--quick", action="store_true", help="small network, few steps")
-    parser.add_argument("--num-inducing", type=positive_int, nargs="+", default=None)
-    parser.add_argument("--figure-m", type=positive_int, default=10)
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
-    add_output_arguments(parser, "write the PNG here")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        quick=args.quick,
-        num_inducing=args.num_inducing,
-        figure_m=args.figure_m,
-        seed=args.seed,
-        figure=args.figure,
-        progress=args.progress,
-    )
-    title = (
+    options = [
+        ("--quick", dict(action="store_true", help="small network, few steps")),
+        ("--num-inducing", dict(type=positive_int, nargs="+", default=None)),
+        ("--figure-m", dict(type=positive_int, default=10)),
+        ("--seed", dict(type=nonnegative_int, default=0)),
+    ]
+    description = "VaLLA paper Fig. 1: LLA vs VaLLA, ELLA and Sampled-LLA on a 1-D toy."
+    return cli(
+        argv,
+        "function_space_toy",
+        description,
+        options,
+        run,
+        title=_title,
+        figure_help="write the PNG here",
+        pass_figure=True,
+    )  # fmt: skip  (run() draws the figure)
+
+
+def _title(res: ToyResults) -> str:
+    return (
         f"LLA hyperparameters: prior precision {res.hyper['prior_precision']:.4g}, "
         f"sigma {res.hyper['sigma_noise']:.4g}"
     )
-    return report(res, args, title=title)  # run() drew the figure
 
 
 if __name__ == "__main__":

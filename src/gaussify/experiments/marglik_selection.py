@@ -17,6 +17,7 @@ thousand Adam steps, which makes its curves noisy at laptop scale.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_float, positive_int
 from gaussify.experiments._report import add_progress_argument, check_outputs, run_main, write_json
+from gaussify.experiments._runner import torch_threads
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
 
@@ -185,13 +187,12 @@ def run(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(jobs), desc="marglik selection", unit="fit")
-    before = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
     delta_sweep: list[dict[str, Any]] = []
     width_grid: list[dict[str, Any]] = []
     models: dict[tuple[int, int, float], dict[str, Tensor]] = {}
-    try:
+    with torch_threads(num_threads), contextlib.ExitStack() as stack:
+        if bar is not None:
+            stack.callback(bar.close)
         for dep, wid, delta, kind in jobs:
             model, loss = train(x, y, wid, dep, delta, epochs, lr, seed)
             row = {"depth": dep, "width": wid, "delta": delta, "map_train_loss": loss}
@@ -203,10 +204,6 @@ def run(
                 }
             if bar is not None:
                 bar.update()
-    finally:
-        torch.set_num_threads(before)
-        if bar is not None:
-            bar.close()
     width_sweep = []
     for wid in widths:
         rows = [r for r in width_grid if r["width"] == wid]

@@ -36,7 +36,6 @@ import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -60,7 +59,17 @@ from gaussify.experiments._report import (
     add_progress_argument,
     check_input_file,
     check_outputs,
+    print_summary,
     run_main,
+    write_json,
+)
+from gaussify.experiments._runner import (
+    choose_datasets,
+    fmt,
+    mean_se,
+    paper_table,
+    seed_list,
+    torch_threads,
 )
 from gaussify.training import train_map
 from gaussify.weight_space import Laplace
@@ -121,78 +130,8 @@ VI_METHODS: dict[str, str] = {"glm_vi": "full", "glm_vi_diag": "diag"}
 #: breast_cancer). The paper's "GLM Lapl" includes the mode refinement (App. B.3), so it is
 #: the counterpart of our ``glm_refine``; ``glm_laplace`` (mode at theta*) has none.
 PAPER_TABLE1: dict[str, dict[str, tuple[float, float]]] = {
-    "australian": {
-        "map": (0.32, 0.01),
-        "bbb": (0.32, 0.01),
-        "bnn_laplace": (0.38, 0.00),
-        "glm_refine": (0.32, 0.01),
-        "glm_laplace_diag": (0.33, 0.01),
-        "glm_vi": (0.32, 0.01),
-        "glm_vi_diag": (0.31, 0.01),
-    },
-    "breast_cancer": {
-        "map": (0.15, 0.03),
-        "bbb": (0.11, 0.01),
-        "bnn_laplace": (0.15, 0.00),
-        "glm_refine": (0.10, 0.01),
-        "glm_laplace_diag": (0.11, 0.01),
-        "glm_vi": (0.17, 0.05),
-        "glm_vi_diag": (0.16, 0.05),
-    },
-    "ionosphere": {
-        "map": (0.32, 0.02),
-        "bbb": (0.27, 0.02),
-        "bnn_laplace": (0.45, 0.00),
-        "glm_refine": (0.29, 0.01),
-        "glm_laplace_diag": (0.35, 0.01),
-        "glm_vi": (0.27, 0.02),
-        "glm_vi_diag": (0.26, 0.02),
-    },
-    "glass": {
-        "map": (0.91, 0.03),
-        "bbb": (0.90, 0.06),
-        "bnn_laplace": (1.25, 0.00),
-        "glm_refine": (0.87, 0.01),
-        "glm_laplace_diag": (0.96, 0.01),
-        "glm_vi": (0.75, 0.02),
-        "glm_vi_diag": (0.79, 0.03),
-    },
-    "vehicle": {
-        "map": (0.433, 0.007),
-        "bbb": (0.394, 0.005),
-        "bnn_laplace": (0.795, 0.003),
-        "glm_refine": (0.451, 0.004),
-        "glm_laplace_diag": (0.587, 0.004),
-        "glm_vi": (0.396, 0.007),
-        "glm_vi_diag": (0.421, 0.006),
-    },
-    "waveform": {
-        "map": (0.338, 0.004),
-        "bbb": (0.360, 0.007),
-        "bnn_laplace": (0.434, 0.002),
-        "glm_refine": (0.342, 0.004),
-        "glm_laplace_diag": (0.368, 0.003),
-        "glm_vi": (0.339, 0.004),
-        "glm_vi_diag": (0.343, 0.005),
-    },
-    "digits": {
-        "map": (0.086, 0.003),
-        "bbb": (0.137, 0.004),
-        "bnn_laplace": (0.671, 0.002),
-        "glm_refine": (0.256, 0.002),
-        "glm_laplace_diag": (0.401, 0.003),
-        "glm_vi": (0.170, 0.011),
-        "glm_vi_diag": (0.143, 0.004),
-    },
-    "satellite": {
-        "map": (0.222, 0.002),
-        "bbb": (0.274, 0.002),
-        "bnn_laplace": (0.429, 0.001),
-        "glm_refine": (0.240, 0.001),
-        "glm_laplace_diag": (0.281, 0.001),
-        "glm_vi": (0.219, 0.001),
-        "glm_vi_diag": (0.238, 0.002),
-    },
+    name: {method: (v[0], v[1]) for method, v in row.items()}
+    for name, row in paper_table("immer2021_table1").items()
 }
 
 #: Newton steps of ``Laplace.refine`` stop once the Newton decrement (the predicted gain of
@@ -300,22 +239,14 @@ class UCIResults:
         return "\n".join(lines)
 
 
-def _fmt(mean: float | None, se: float | None, digits: int = 3) -> str:
-    if mean is None:
-        return "–"
-    if se is None or not math.isfinite(se):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {se:.{digits}f}"
-
-
 def _cell(row: dict[str, Any], metric: str) -> str:
     if row.get("missing"):
         ours = "missing"
     else:
-        ours = _fmt(row[f"test_{metric}_mean"], row[f"test_{metric}_se"])
+        ours = fmt(row[f"test_{metric}_mean"], row[f"test_{metric}_se"])
     paper = row.get("paper_nll")
     if metric == "nll" and paper is not None:
-        return f"{ours} ({_fmt(*paper)})"
+        return f"{ours} ({fmt(*paper)})"
     return ours
 
 
@@ -473,52 +404,26 @@ def _laplace_probs(
     # and float32 eigh can fail to converge on the near-singular GGN of a collapsed net.
     la = Laplace(model, "classification", structure="full", prior_precision=delta, eig_cache=False)
     la.fit((x_tr, y_tr))
-    probs["bnn_laplace"] = _probs(
-        la.predict(
-            x_eval,
-            method="nn",
-            num_samples=cfg.num_samples,
-            generator=torch.Generator().manual_seed(gen),
-        ).probs
-    )
-    probs["glm_laplace"] = _probs(
-        la.predict(
-            x_eval,
-            method="glm",
-            link=cfg.glm_link,  # type: ignore[arg-type]
-            num_samples=cfg.num_samples,
-            generator=torch.Generator().manual_seed(gen),
-        ).probs
-    )
+
+    def predict(method: str) -> Tensor:
+        link = {} if method == "nn" else {"link": cfg.glm_link}
+        gen_ = torch.Generator().manual_seed(gen)
+        pred = la.predict(
+            x_eval, method=method, num_samples=cfg.num_samples, generator=gen_, **link
+        )  # type: ignore[call-overload]
+        return _probs(pred.probs)
+
+    probs["bnn_laplace"] = predict("nn")
+    probs["glm_laplace"] = predict("glm")
     if hasattr(la, "refine") and "glm_refine" in cfg.methods:
         la.refine((x_tr, y_tr), **cfg.refine_kwargs)
         probs["refine_shift"] = float((la.mean - la.theta_star).norm())
-        probs["glm_refine"] = _probs(
-            la.predict(
-                x_eval,
-                method="glm",
-                link=cfg.glm_link,  # type: ignore[arg-type]
-                num_samples=cfg.num_samples,
-                generator=torch.Generator().manual_seed(gen),
-            ).probs
-        )
+        probs["glm_refine"] = predict("glm")
 
 
 def _probs(p: Tensor | None) -> Tensor:
     assert p is not None
     return p.detach()
-
-
-@contextmanager
-def _threads(num_threads: int | None) -> Iterator[None]:
-    """Set torch's intra-op thread count inside the block and restore it afterwards."""
-    before = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _progress(items: Iterable[_T], bar: Any) -> Iterator[_T]:
@@ -557,14 +462,6 @@ def select(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _mean_se(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    arr = np.asarray(values, dtype=np.float64)
-    se = float(arr.std(ddof=1) / math.sqrt(len(arr))) if len(arr) > 1 else float("nan")
-    return float(arr.mean()), se
-
-
 def summarise(selections: list[dict[str, Any]], datasets: Sequence[str]) -> list[dict[str, Any]]:
     """One row per data set and method: test metrics mean ± standard error over splits at the
     selected delta, with the paper's Table 1 NLL beside it."""
@@ -581,7 +478,7 @@ def summarise(selections: list[dict[str, Any]], datasets: Sequence[str]) -> list
                 "missing": not sel,
             }
             for metric in ("nll", "acc", "ece"):
-                mean, se = _mean_se([s[f"test_{metric}"] for s in sel])
+                mean, se = mean_se([s[f"test_{metric}"] for s in sel])
                 row[f"test_{metric}_mean"] = mean
                 row[f"test_{metric}_se"] = None if se is None or math.isnan(se) else se
             row["test_nll_per_split"] = [s["test_nll"] for s in sel]
@@ -633,23 +530,15 @@ def run(
     Deterministic given these arguments.
     """
     start = time.perf_counter()
-    available = set(gdata.list())
-    if datasets is None:
-        chosen = [d for d in (QUICK_DATASETS if quick else DATASETS) if d in available]
-    else:
-        chosen = list(datasets)
-        unknown = [d for d in chosen if d not in available]
-        if unknown:
-            raise ValueError(f"datasets: unknown {unknown}; available: {sorted(available)}")
-        regression = [d for d in chosen if gdata.info(d).task != "classification"]
-        if regression:
-            raise ValueError(f"datasets: {regression} are regression data sets, not classification")
-    if isinstance(splits, int):
-        if splits <= 0:
-            raise ValueError(f"splits: must be a positive integer, got {splits}")
-        seeds = list(range(2 if quick else splits))
-    else:
-        seeds = [int(s) for s in splits]
+    chosen = choose_datasets(
+        datasets,
+        DATASETS,
+        QUICK_DATASETS,
+        quick=quick,
+        task="classification",
+        wrong_task="{} are regression data sets, not {}",
+    )
+    seeds = seed_list(splits, 2, quick=quick, name="splits")
     if n_jobs <= 0:
         raise ValueError(f"n_jobs: must be a positive integer, got {n_jobs}")
     if methods is None:  # quick: no full-covariance GLM VI (a dense GGN per step)
@@ -690,7 +579,7 @@ def run(
 
         bar = tqdm(total=len(tasks), desc="UCI classification", unit="split")
     if n_jobs == 1:
-        with _threads(num_threads):
+        with torch_threads(num_threads):
             outputs = [_run_split(*t) for t in _progress(tasks, bar)]
     else:
         with ProcessPoolExecutor(n_jobs, mp_context=get_context("spawn")) as pool:
@@ -829,20 +718,14 @@ def main(argv: list[str] | None = None) -> int:
         vi_steps=args.vi_steps,
         map_cache=args.map_cache,
     )
-    print("Test NLL, ours (paper Table 1) — mean ± s.e. over splits")
-    print(res.table("nll"))
-    for note in res.notes:
-        print("note:", note)
-    print(f"runtime {res.runtime_s:.1f} s")
+    print_summary(res, "Test NLL, ours (paper Table 1) — mean ± s.e. over splits")
     if args.output is not None:
         out = res.to_dict()
         if base is not None:
             out = merge(base, res)
             print(f"Merged into {args.merge}: test NLL, ours (paper Table 1), all methods")
             print(UCIResults.from_dict(out).table("nll"))
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.output}")
+        print(f"wrote {write_json(args.output, out)}")
     return 0
 
 

@@ -50,6 +50,7 @@ from gaussify.experiments._report import (
     run_main,
     write_json,
 )
+from gaussify.experiments._runner import fmt, mean_se, seed_list, torch_threads
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
 from gaussify.plots import save_figure
 
@@ -128,22 +129,11 @@ def _loss(head: nn.Module, phi: Tensor, y: Tensor) -> Tensor:
 
 
 def train(
-    body: nn.Module,
-    head: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    *,
-    epochs: int,
-    lr: float = 1e-3,
-    weight_decay: float = 1e-2,
-    batch_size: int = 128,
-    max_grad_norm: float | None = 2.0,
-    seed: int = 0,
-    optimizer: Literal["adamw", "sgd"] = "adamw",
-    momentum: float = 0.9,
-    schedule: Literal["constant", "cosine"] = "constant",
-    progress: Any = None,
-) -> list[float]:
+    body: nn.Module, head: nn.Module, x: Tensor, y: Tensor, *, epochs: int, lr: float = 1e-3,
+    weight_decay: float = 1e-2, batch_size: int = 128, max_grad_norm: float | None = 2.0,
+    seed: int = 0, optimizer: Literal["adamw", "sgd"] = "adamw", momentum: float = 0.9,
+    schedule: Literal["constant", "cosine"] = "constant", progress: Any = None,
+) -> list[float]:  # fmt: skip
     """Train ``body`` and ``head`` jointly on ``(x, y)`` (mean training loss per epoch
     returned). G-VBLL heads get their Dirichlet counts from ``y`` first. Batches come from
     ``torch.randperm`` with a generator seeded by ``seed``; ``schedule="cosine"`` anneals the
@@ -276,17 +266,9 @@ class VBLLClassificationResults:
         )
         lines = [head, "|---" * 9 + "|"]
         for r in self.rows:
-            cells = [_fmt(r.get(f"{k}_mean"), r.get(f"{k}_se"), 3) for k in keys]
+            cells = [fmt(r.get(f"{k}_mean"), r.get(f"{k}_se"), 3) for k in keys]
             lines.append(f"| {r['dataset']} | {r['label']} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
-
-
-def _fmt(mean: float | None, se: float | None, digits: int = 3) -> str:
-    if mean is None:
-        return "–"
-    if se is None or not math.isfinite(se):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
 def _ood_auroc(score_in: Tensor, score_out: Tensor) -> float:
@@ -325,23 +307,12 @@ def _evaluate(
 
 
 def run(
-    datasets: Sequence[str] | None = None,
-    seeds: int | Sequence[int] = 3,
-    quick: bool = False,
-    progress: bool = False,
-    *,
-    features_kind: FeatureKind = "mlp",
-    width: int = 128,
-    epochs: int | None = None,
-    lr: float = 1e-3,
-    weight_decay: float = 1e-2,
-    batch_size: int = 128,
-    max_train: int | None = None,
-    num_samples: int = 1000,
-    keep_predictions: bool = False,
-    keep_models: bool = False,
-    num_threads: int | None = 1,
-) -> VBLLClassificationResults:
+    datasets: Sequence[str] | None = None, seeds: int | Sequence[int] = 3, quick: bool = False,
+    progress: bool = False, *, features_kind: FeatureKind = "mlp", width: int = 128,
+    epochs: int | None = None, lr: float = 1e-3, weight_decay: float = 1e-2,
+    batch_size: int = 128, max_train: int | None = None, num_samples: int = 1000,
+    keep_predictions: bool = False, keep_models: bool = False, num_threads: int | None = 1,
+) -> VBLLClassificationResults:  # fmt: skip
     """Train MAP softmax, D-VBLL and G-VBLL heads with the same feature network on each image
     set and evaluate accuracy, ECE (15 bins), NLL, Brier and OOD AUROCs against the other set.
 
@@ -358,13 +329,10 @@ def run(
     bad = [d for d in chosen if d not in OOD_PAIR]
     if bad:
         raise ValueError(f"datasets: expected names from {DATASETS}, got {bad}")
-    if isinstance(seeds, int):
-        seed_list = list(range(1 if quick else seeds))
-    else:
-        seed_list = [int(s) for s in seeds]
+    seed_ids = seed_list(seeds, 1, quick=quick)
     cfg = Config(
         datasets=chosen,
-        seeds=seed_list,
+        seeds=seed_ids,
         features=features_kind,
         width=width,
         epochs=epochs if epochs is not None else (2 if quick else 15),
@@ -381,69 +349,68 @@ def run(
     if progress:
         from tqdm.auto import tqdm
 
-        total = len(chosen) * len(seed_list) * len(METHODS) * cfg.epochs
+        total = len(chosen) * len(seed_ids) * len(METHODS) * cfg.epochs
         bar = tqdm(total=total, desc="VBLL images", unit="epoch")
-    threads = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
     records: list[dict[str, Any]] = []
     predictions: dict[tuple[str, int, str], dict[str, Tensor]] = {}
     models: dict[tuple[str, int, str], tuple[nn.Module, nn.Module]] = {}
-    try:
-        for name in chosen:
-            for seed in seed_list:
-                ds = gdata.load(name, seed=seed, max_train=cfg.max_train)
-                ood = gdata.load(OOD_PAIR[name], seed=seed)
-                num_classes = int(ds.num_classes or 0)
-                for method in METHODS:
-                    torch.manual_seed(seed)
-                    body, w = feature_net(features_kind, width, ds.x_train.shape[1:])
-                    head = make_head(
-                        method, w, num_classes, len(ds.y_train), **getattr(cfg, method, {})
-                    )
-                    t0 = time.perf_counter()
-                    history = train(
-                        body,
-                        head,
-                        ds.x_train,
-                        ds.y_train,
-                        epochs=cfg.epochs,
-                        lr=lr,
-                        weight_decay=weight_decay,
-                        batch_size=batch_size,
-                        max_grad_norm=cfg.max_grad_norm,
-                        seed=seed,
-                        progress=bar,
-                    )
-                    train_s = time.perf_counter() - t0
-                    res, kept = _evaluate(method, body, head, ds, ood.x_test, seed)
-                    records.append(
-                        {
-                            "dataset": name,
-                            "ood_dataset": OOD_PAIR[name],
-                            "seed": seed,
-                            "method": method,
-                            "n_train": len(ds.y_train),
-                            "n_test": len(ds.y_test),
-                            "n_ood": len(ood.y_test),
-                            "final_train_loss": history[-1],
-                            "train_seconds": train_s,
-                            **res,
-                        }
-                    )
-                    if keep_predictions:
-                        predictions[(name, seed, method)] = {
-                            **kept,
-                            "y_test": ds.y_test,
-                        }
-                    if keep_models:
-                        models[(name, seed, method)] = (body, head)
-    finally:
-        torch.set_num_threads(threads)
-        if bar is not None:
-            bar.close()
+
+    def one(name: str, seed: int) -> None:
+        ds = gdata.load(name, seed=seed, max_train=cfg.max_train)
+        ood = gdata.load(OOD_PAIR[name], seed=seed)
+        num_classes = int(ds.num_classes or 0)
+        for method in METHODS:
+            torch.manual_seed(seed)
+            body, w = feature_net(features_kind, width, ds.x_train.shape[1:])
+            head = make_head(method, w, num_classes, len(ds.y_train), **getattr(cfg, method, {}))
+            t0 = time.perf_counter()
+            history = train(
+                body,
+                head,
+                ds.x_train,
+                ds.y_train,
+                epochs=cfg.epochs,
+                lr=lr,
+                weight_decay=weight_decay,
+                batch_size=batch_size,
+                max_grad_norm=cfg.max_grad_norm,
+                seed=seed,
+                progress=bar,
+            )
+            train_s = time.perf_counter() - t0
+            res, kept = _evaluate(method, body, head, ds, ood.x_test, seed)
+            records.append(
+                {
+                    "dataset": name,
+                    "ood_dataset": OOD_PAIR[name],
+                    "seed": seed,
+                    "method": method,
+                    "n_train": len(ds.y_train),
+                    "n_test": len(ds.y_test),
+                    "n_ood": len(ood.y_test),
+                    "final_train_loss": history[-1],
+                    "train_seconds": train_s,
+                    **res,
+                }
+            )
+            if keep_predictions:
+                predictions[(name, seed, method)] = {
+                    **kept,
+                    "y_test": ds.y_test,
+                }
+            if keep_models:
+                models[(name, seed, method)] = (body, head)
+
+    with torch_threads(num_threads):
+        try:
+            for name in chosen:
+                for seed in seed_ids:
+                    one(name, seed)
+        finally:
+            if bar is not None:
+                bar.close()
     notes = [
-        f"{len(seed_list)} seeds; features: {features_kind} of width {width}, trained jointly "
+        f"{len(seed_ids)} seeds; features: {features_kind} of width {width}, trained jointly "
         f"with each head for {cfg.epochs} epochs (AdamW lr {lr:g}, weight decay "
         f"{weight_decay:g}, batch {batch_size}, clip 2.0).",
         "OOD: the other image set's test images; 'entropy' = predictive entropy, 'max-prob' = "
@@ -488,13 +455,8 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
             }
             for key in keys:
                 vals = [r[key] for r in sel if key in r]
-                if not vals:
-                    continue
-                arr = np.asarray(vals, dtype=np.float64)
-                row[f"{key}_mean"] = float(arr.mean())
-                row[f"{key}_se"] = (
-                    float(arr.std(ddof=1) / math.sqrt(len(arr))) if len(arr) > 1 else None
-                )
+                if vals:
+                    row[f"{key}_mean"], row[f"{key}_se"] = mean_se(vals, single=None)
             rows.append(row)
     return rows
 
@@ -520,15 +482,9 @@ class ResidualMLP(nn.Module):
 
 
 def halfmoons(
-    seed: int = 0,
-    epochs: int = 100,
-    width: int = 128,
-    depth: int = 3,
-    grid_size: int = 120,
-    dof: float = 128.0,
-    wishart_scale: float = 1.0,
-    max_grad_norm: float | None = 2.0,
-) -> dict[str, Any]:
+    seed: int = 0, epochs: int = 100, width: int = 128, depth: int = 3, grid_size: int = 120,
+    dof: float = 128.0, wishart_scale: float = 1.0, max_grad_norm: float | None = 2.0,
+) -> dict[str, Any]:  # fmt: skip
     """Train G-VBLL on all 1000 points of ``two_moons`` (sklearn ``make_moons``, noise 0.2, raw
     coordinates) with the App. G.1 protocol and evaluate over a ``grid_size`` square grid.
 
@@ -542,12 +498,8 @@ def halfmoons(
     cosine-annealed: at a constant 3e-2 the training accuracy keeps jumping between 0.8 and
     0.96 from epoch to epoch. Runs single-threaded (restored after).
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _halfmoons(seed, epochs, width, depth, grid_size, dof, wishart_scale, max_grad_norm)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _halfmoons(
@@ -704,35 +656,23 @@ def demo_vbll(
 
         bar = tqdm(total=epochs, desc=f"VBLL {head} ({mode})", unit="epoch")
     try:
-        if mode == "joint":
-            train(
-                body,
-                vbll,
-                ds.x_train,
-                ds.y_train,
-                epochs=epochs,
-                lr=lr,
-                weight_decay=weight_decay,
-                batch_size=batch_size,
-                seed=seed,
-                progress=bar,
-            )
-        else:
+        net, inputs = body, ds.x_train
+        if mode != "joint":  # post hoc: a frozen body, the head trained on its features
             for p in body.parameters():
                 p.requires_grad_(False)
-            phi_train = features(body, ds.x_train)
-            train(
-                nn.Identity(),
-                vbll,
-                phi_train,
-                ds.y_train,
-                epochs=epochs,
-                lr=lr,
-                weight_decay=weight_decay,
-                batch_size=batch_size,
-                seed=seed,
-                progress=bar,
-            )
+            net, inputs = nn.Identity(), features(body, ds.x_train)
+        train(
+            net,
+            vbll,
+            inputs,
+            ds.y_train,
+            epochs=epochs,
+            lr=lr,
+            weight_decay=weight_decay,
+            batch_size=batch_size,
+            seed=seed,
+            progress=bar,
+        )
     finally:
         if bar is not None:
             bar.close()

@@ -43,23 +43,31 @@ the Python overhead (tests check it against the plain loop).
 
 from __future__ import annotations
 
-import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, stack_module_state, vmap
 
 from gaussify import data as gdata
 from gaussify import metrics
-from gaussify.cli_args import ArgumentParser, positive_int
-from gaussify.experiments._report import add_progress_argument, check_outputs, report, run_main
+from gaussify.cli_args import positive_int
+from gaussify.experiments._report import run_main
+from gaussify.experiments._runner import (
+    choose_datasets,
+    cli,
+    fmt,
+    mean_se,
+    paper_table,
+    seed_list,
+    torch_threads,
+)
+from gaussify.experiments.stacked_training import select_epoch
+from gaussify.experiments.stacked_training import train_stacked as _train_stacked
 from gaussify.last_layer import VBLLRegression
 from gaussify.last_layer.base import VBLLHead
 from gaussify.weight_space import Laplace
@@ -113,83 +121,8 @@ DEFAULT_BATCH = 32
 #: data-set names (the paper's "Wine" is wine_red; Energy is not shipped). The paper prints
 #: LDGBLL's Energy NLL as 4.80 ± 0.18, evidently a copy of a neighbouring cell; transcribed as
 #: printed.
-_T2_ROWS = ("VBLL", "GBLL", "LDGBLL", "MAP", "RBF GP", "VBLL BNN", "BNN", "Ensemble", "Dropout")
-_T2_ROWS = (*_T2_ROWS, "SWAG")
-_T2: dict[str, list[tuple[float, float, float, float]]] = {
-    # dataset: one (nll, nll_se, rmse, rmse_se) per row of _T2_ROWS
-    "boston": [
-        (1.80, 0.04, 1.42, 0.05),
-        (2.90, 0.05, 4.19, 0.17),
-        (2.60, 0.04, 3.38, 0.18),
-        (2.60, 0.07, 3.02, 0.17),
-        (2.41, 0.06, 2.83, 0.16),
-        (1.78, 0.09, 1.37, 0.11),
-        (2.39, 0.04, 2.74, 0.16),
-        (2.48, 0.09, 2.79, 0.17),
-        (2.36, 0.04, 2.78, 0.16),
-        (2.64, 0.16, 3.08, 0.35),
-    ],
-    "concrete": [
-        (2.49, 0.07, 2.76, 0.12),
-        (3.09, 0.03, 5.01, 0.18),
-        (2.97, 0.03, 4.80, 0.18),
-        (3.04, 0.04, 4.75, 0.12),
-        (3.08, 0.02, 5.62, 0.13),
-        (2.61, 0.12, 2.92, 0.25),
-        (2.97, 0.03, 4.80, 0.13),
-        (3.04, 0.08, 4.55, 0.12),
-        (2.90, 0.02, 4.45, 0.11),
-        (3.19, 0.05, 5.50, 0.16),
-    ],
-    "energy": [
-        (0.69, 0.07, 0.45, 0.03),
-        (0.69, 0.03, 0.46, 0.02),
-        (4.80, 0.18, 0.50, 0.02),
-        (1.44, 0.09, 0.53, 0.01),
-        (0.66, 0.04, 0.47, 0.01),
-        (0.57, 0.09, 0.39, 0.03),
-        (0.63, 0.05, 0.43, 0.01),
-        (0.58, 0.07, 0.41, 0.02),
-        (1.33, 0.00, 0.53, 0.01),
-        (1.23, 0.08, 0.93, 0.09),
-    ],
-    "power": [
-        (2.67, 0.01, 3.48, 0.01),
-        (2.77, 0.01, 3.85, 0.03),
-        (2.77, 0.01, 3.85, 0.04),
-        (2.77, 0.01, 3.81, 0.04),
-        (2.76, 0.01, 3.72, 0.04),
-        (2.73, 0.02, 3.70, 0.07),
-        (2.77, 0.01, 3.86, 0.04),
-        (2.70, 0.01, 3.59, 0.04),
-        (2.80, 0.01, 3.90, 0.04),
-        (2.77, 0.02, 3.85, 0.05),
-    ],
-    "wine_red": [
-        (0.45, 0.02, 0.37, 0.01),
-        (1.02, 0.01, 0.64, 0.01),
-        (1.02, 0.01, 0.64, 0.01),
-        (0.96, 0.01, 0.63, 0.01),
-        (0.45, 0.01, 0.56, 0.05),
-        (0.67, 0.02, 0.46, 0.01),
-        (0.95, 0.01, 0.63, 0.01),
-        (0.95, 0.01, 0.63, 0.01),
-        (0.93, 0.01, 0.61, 0.01),
-        (0.96, 0.03, 0.63, 0.01),
-    ],
-    "yacht": [
-        (1.71, 0.29, 0.83, 0.07),
-        (1.67, 0.11, 1.09, 0.09),
-        (1.13, 0.06, 0.75, 0.10),
-        (5.14, 1.62, 0.94, 0.09),
-        (0.17, 0.03, 0.40, 0.03),
-        (1.96, 0.22, 1.03, 0.13),
-        (1.43, 0.17, 1.10, 0.11),
-        (0.35, 0.07, 0.83, 0.08),
-        (1.82, 0.01, 1.21, 0.13),
-        (1.11, 0.05, 1.13, 0.20),
-    ],
-}
+_T2 = paper_table("harrison2024_table2")  # per data set one (nll, se, rmse, se) per row
+_T2_ROWS = tuple(_T2.pop("_rows"))
 PAPER_TABLE2: dict[str, dict[str, dict[str, tuple[float, float]]]] = {
     name: {
         row: {"nll": (v[0], v[1]), "rmse": (v[2], v[3])}
@@ -293,177 +226,9 @@ def predictive_nll(model: nn.Module, x: Tensor, y: Tensor) -> float:
     return float(model(x).val_loss(y))
 
 
-# --------------------------------------------------------------------------------------------
-# the vectorised trainer
-
-
-class _Objective(nn.Module):
-    """Wraps a model so that ``functional_call`` can evaluate its training loss."""
-
-    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, Tensor, Tensor], Tensor]):
-        super().__init__()
-        self.model = model
-        self._loss = loss
-
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return self._loss(self.model, x, y)
-
-
-@dataclass
-class StackedRun:
-    """Result of :func:`train_stacked` for ``S`` models.
-
-    ``states[s]``: the state dict of model ``s`` (at its ``snapshot`` epoch if one was asked
-    for, else at the end). ``val_epochs``: the epochs at which validation was computed;
-    ``val_curves (S, len(val_epochs))``: validation NLL (NaN after a model stopped);
-    ``stopped (S,)``: the epoch at which each model's early stopping ended (its last
-    evaluation). ``epochs_run``: epochs actually trained.
-    """
-
-    states: list[dict[str, Tensor]]
-    val_epochs: list[int] = field(default_factory=list)
-    val_curves: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    stopped: list[int] = field(default_factory=list)
-    epochs_run: int = 0
-    seconds: float = 0.0
-
-
-def select_epoch(val_epochs: Sequence[int], curve: np.ndarray) -> int:
-    """The number of epochs chosen by the validation curve: the epoch of the lowest validation
-    NLL (the first on ties; NaN entries -- after early stopping -- are ignored)."""
-    curve = np.asarray(curve, dtype=np.float64)
-    masked = np.where(np.isfinite(curve), curve, np.inf)
-    return int(val_epochs[int(np.argmin(masked))])
-
-
-def _per_model_clip(grads: list[Tensor], max_norm: float) -> None:
-    """``clip_grad_norm_`` separately for every model of a stack (dim 0 indexes models)."""
-    num = grads[0].shape[0]
-    sq = torch.zeros(num, dtype=grads[0].dtype)
-    for g in grads:
-        sq += g.reshape(num, -1).square().sum(1)
-    # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1
-    coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.reshape(num, *([1] * (g.dim() - 1))))
-
-
-def train_stacked(
-    models: Sequence[nn.Module],
-    x: Tensor,
-    y: Tensor,
-    *,
-    epochs: int,
-    batch_size: int,
-    seeds: Sequence[int],
-    lr: float = 1e-3,
-    weight_decay: float = 1e-2,
-    max_grad_norm: float | None = 1.0,
-    loss: Callable[[nn.Module, Tensor, Tensor], Tensor] = training_loss,
-    validation: tuple[Tensor, Tensor] | None = None,
-    val_nll: Callable[[nn.Module, Tensor, Tensor], float] = predictive_nll,
-    eval_every: int = 10,
-    patience: int | None = None,
-    snapshots: Sequence[int] | None = None,
-    progress: Any = None,
-) -> StackedRun:
-    """Train ``S = len(models)`` models of one architecture, each on its own data, as ``S``
-    independent AdamW runs vectorised with ``torch.func.vmap``.
-
-    ``x (S, N, ...)``, ``y (S, N, 1)``: model ``s`` trains on ``x[s], y[s]``, in batches of
-    ``batch_size`` from ``torch.randperm(N, generator=Generator().manual_seed(seeds[s]))`` per
-    epoch (the last batch may be smaller). AdamW is elementwise, so stacking is exact; the
-    gradient norm is clipped per model. ``validation = (x_val (S, M, ...), y_val (S, M, 1))``:
-    every ``eval_every`` epochs ``val_nll(model_s, x_val[s], y_val[s])`` is recorded; with
-    ``patience`` a model stops being evaluated after that many evaluations without
-    improvement, and training ends when every model stopped (a model's selection then equals
-    that of a run of its own). ``snapshots[s]``: keep model ``s``'s state at that epoch.
-    """
-    num = len(models)
-    if not (x.shape[0] == y.shape[0] == len(seeds) == num):
-        raise ValueError(
-            f"x, y, seeds: need one entry per model ({num}), got {x.shape[0]}, {y.shape[0]}, "
-            f"{len(seeds)}"
-        )
-    if snapshots is not None and len(snapshots) != num:
-        raise ValueError(f"snapshots: need one epoch per model ({num}), got {len(snapshots)}")
-    start = time.perf_counter()
-    objectives = [_Objective(m, loss) for m in models]
-    params, buffers = stack_module_state(objectives)
-    params = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    template = objectives[0]
-
-    def one(p: dict[str, Tensor], b: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
-        return functional_call(template, (p, b), (xb, yb))
-
-    batched = vmap(one, in_dims=(0, 0, 0, 0))
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=weight_decay)
-    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    rows = torch.arange(num).unsqueeze(1)
-    n = x.shape[1]
-    scratch = copy.deepcopy(models[0])
-    states: list[dict[str, Tensor] | None] = [None] * num
-    val_epochs: list[int] = []
-    curves: list[list[float]] = [[] for _ in range(num)]
-    best = [math.inf] * num
-    since = [0] * num
-    active = [True] * num
-    stopped = [epochs] * num
-    epoch = 0
-
-    def model_state(s: int) -> dict[str, Tensor]:
-        state = {k[len("model.") :]: v[s].detach().clone() for k, v in params.items()}
-        state.update({k[len("model.") :]: v[s].clone() for k, v in buffers.items()})
-        return state
-
-    for epoch in range(1, epochs + 1):
-        perms = torch.stack([torch.randperm(n, generator=g) for g in gens])
-        for lo in range(0, n, batch_size):
-            idx = perms[:, lo : lo + batch_size]
-            opt.zero_grad(set_to_none=True)
-            losses = batched(params, buffers, x[rows, idx], y[rows, idx])
-            losses.sum().backward()
-            if max_grad_norm is not None:
-                _per_model_clip([p.grad for p in params.values()], max_norm=max_grad_norm)
-            opt.step()
-        if not torch.isfinite(losses.detach()).all():
-            bad = [int(seeds[s]) for s in torch.nonzero(~torch.isfinite(losses)).flatten()]
-            raise FloatingPointError(f"train_stacked: loss not finite for seeds {bad}")
-        if snapshots is not None:
-            for s in range(num):
-                if snapshots[s] == epoch:
-                    states[s] = model_state(s)
-        if progress is not None:
-            progress.update()
-        if validation is not None and epoch % eval_every == 0:
-            val_epochs.append(epoch)
-            for s in range(num):
-                if not active[s]:
-                    curves[s].append(math.nan)
-                    continue
-                scratch.load_state_dict(model_state(s))
-                scratch.eval()
-                value = val_nll(scratch, validation[0][s], validation[1][s])
-                curves[s].append(value)
-                if value < best[s]:
-                    best[s], since[s] = value, 0
-                else:
-                    since[s] += 1
-                if patience is not None and since[s] >= patience:
-                    active[s], stopped[s] = False, epoch
-            if not any(active):
-                break
-        if snapshots is not None and all(st is not None for st in states):
-            break
-    final = [st if st is not None else model_state(s) for s, st in enumerate(states)]
-    return StackedRun(
-        states=final,
-        val_epochs=val_epochs,
-        val_curves=np.asarray(curves, dtype=np.float64).reshape(num, len(val_epochs)),
-        stopped=stopped if validation is not None else [],
-        epochs_run=epoch,
-        seconds=time.perf_counter() - start,
-    )
+#: :func:`~gaussify.experiments.stacked_training.train_stacked` with this experiment's
+#: objective (``training_loss``) and validation NLL (``predictive_nll``) as defaults.
+train_stacked = partial(_train_stacked, loss=training_loss, val_nll=predictive_nll)
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,21 +308,7 @@ class VBLLUCIResults:
         return "\n".join(lines)
 
 
-def _fmt(mean: float | None, se: float | None, digits: int = 2) -> str:
-    if mean is None:
-        return "–"
-    if se is None or not math.isfinite(se):
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {se:.{digits}f}"
-
-
-def _mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    arr = np.asarray(values, dtype=np.float64)
-    if len(arr) < 2:
-        return float(arr.mean()), None
-    return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(len(arr)))
+_fmt = partial(fmt, digits=2)
 
 
 def unstandardize_nll(nll_std: float, y_std: float) -> float:
@@ -740,7 +491,7 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
                 "num_seeds": len(sel),
             }
             for key in ("test_nll", "test_rmse", "test_nll_model_units", "selected_epochs"):
-                mean, se = _mean_se([r[key] for r in sel])
+                mean, se = mean_se([r[key] for r in sel], single=None)
                 row[f"{key}_mean"], row[f"{key}_se"] = mean, se
             row["paper_row"] = PAPER_ROW[method]
             row["paper"] = PAPER_TABLE2.get(name, {}).get(PAPER_ROW[method])
@@ -749,20 +500,12 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
 
 
 def run(
-    datasets: Sequence[str] | None = None,
-    seeds: int | Sequence[int] = 20,
-    quick: bool = False,
-    progress: bool = False,
-    *,
-    targets: Targets = "standardized",
-    max_epochs: int | dict[str, int] | None = None,
-    patience: int | None = None,
-    eval_every: int = 10,
-    max_train: int | dict[str, int] | None = None,
-    keep_models: bool = False,
-    num_threads: int | None = 1,
-    parameterization: str = "dense",
-) -> VBLLUCIResults:
+    datasets: Sequence[str] | None = None, seeds: int | Sequence[int] = 20, quick: bool = False,
+    progress: bool = False, *, targets: Targets = "standardized",
+    max_epochs: int | dict[str, int] | None = None, patience: int | None = None,
+    eval_every: int = 10, max_train: int | dict[str, int] | None = None,
+    keep_models: bool = False, num_threads: int | None = 1, parameterization: str = "dense",
+) -> VBLLUCIResults:  # fmt: skip
     """Run the Table 2 protocol (App. G.2) and return the results.
 
     ``datasets``: library names (default: every shipped UCI regression set, :data:`DATASETS`);
@@ -777,20 +520,14 @@ def run(
     the run (restored after). Deterministic given these arguments.
     """
     start = time.perf_counter()
-    available = set(gdata.list())
-    if datasets is None:
-        chosen = [d for d in (QUICK_DATASETS if quick else DATASETS) if d in available]
-    else:
+    chosen = choose_datasets(None, DATASETS, QUICK_DATASETS, quick=quick)
+    if datasets is not None:
+        available = set(gdata.list())
         chosen = list(datasets)
         unknown = [d for d in chosen if d not in available or gdata.info(d).task != "regression"]
         if unknown:
             raise ValueError(f"datasets: not shipped UCI regression sets: {unknown}")
-    if isinstance(seeds, int):
-        if seeds <= 0:
-            raise ValueError(f"seeds: must be a positive integer, got {seeds}")
-        seed_list = list(range(2 if quick else seeds))
-    else:
-        seed_list = [int(s) for s in seeds]
+    seed_ids = seed_list(seeds, 2, quick=quick, name="seeds")
     if targets not in ("standardized", "centered"):
         raise ValueError(f"targets: expected 'standardized' or 'centered', got {targets!r}")
     if quick:
@@ -804,7 +541,7 @@ def run(
         epochs = {d: max_epochs.get(d, MAX_EPOCHS[d]) for d in chosen}
     cfg = Config(
         datasets=chosen,
-        seeds=seed_list,
+        seeds=seed_ids,
         targets=targets,
         max_epochs=epochs,
         batch_size={d: BATCH_SIZE.get(d, DEFAULT_BATCH) for d in chosen},
@@ -822,23 +559,19 @@ def run(
         bar = tqdm(desc="VBLL UCI", unit="epoch")
     records: list[dict[str, Any]] = []
     kept: dict[tuple[str, int, str], Any] = {}
-    threads = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        for name in chosen:
+    with torch_threads(num_threads):
+        try:
+            for name in chosen:
+                if bar is not None:
+                    bar.set_postfix(dataset=name)
+                recs, models = _run_dataset(name, cfg, keep_models, bar)
+                records += recs
+                kept.update(models)
+        finally:
             if bar is not None:
-                bar.set_postfix(dataset=name)
-            recs, models = _run_dataset(name, cfg, keep_models, bar)
-            records += recs
-            kept.update(models)
-    finally:
-        torch.set_num_threads(threads)
-        if bar is not None:
-            bar.close()
+                bar.close()
     notes = [
-        f"{len(seed_list)} seeds (paper: 20); splits gaussify.data.load(name, seed) "
-        "0.72/0.18/0.10.",
+        f"{len(seed_ids)} seeds (paper: 20); splits gaussify.data.load(name, seed) 0.72/0.18/0.10.",
         f"targets {targets}: NLL and RMSE reported in original units "
         "(standardised: NLL + log y_std, RMSE * y_std); the paper centres without rescaling.",
         "epochs: validation NLL every "
@@ -863,36 +596,21 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m gaussify.experiments.vbll_uci [options]``; prints the table (ours vs
     the paper's Table 2) and writes JSON with ``--output``."""
-    parser = ArgumentParser(
-        prog="gaussify experiment vbll_uci",
-        description="Harrison et al. (2024) Table 2: UCI regression with VBLL, MAP and "
-        "last-layer Laplace (App. G.2 protocol).",
-    )
-    parser.add_argument("--datasets", nargs="+", default=None, help="default: all shipped")
-    parser.add_argument("--seeds", type=positive_int, default=20, help="number of seeds (0..n-1)")
-    parser.add_argument("--quick", action="store_true", help="yacht, 2 seeds, 40 epochs")
-    parser.add_argument("--targets", choices=("standardized", "centered"), default="standardized")
-    parser.add_argument("--max-epochs", type=positive_int, default=None, help="default: Table 5")
-    parser.add_argument("--patience", type=positive_int, default=None, help="validation checks")
-    parser.add_argument(
-        "--max-train", type=positive_int, default=None, help="subsample training rows"
-    )
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
-    add_progress_argument(parser)
-    args = parser.parse_args(argv)
-    check_outputs(args)
-    res = run(
-        datasets=args.datasets,
-        seeds=args.seeds,
-        quick=args.quick,
-        progress=args.progress,
-        targets=args.targets,
-        max_epochs=args.max_epochs,
-        patience=args.patience,
-        max_train=args.max_train,
+    options = [
+        ("--datasets", dict(nargs="+", default=None, help="default: all shipped")),
+        ("--seeds", dict(type=positive_int, default=20, help="number of seeds (0..n-1)")),
+        ("--quick", dict(action="store_true", help="yacht, 2 seeds, 40 epochs")),
+        ("--targets", dict(choices=("standardized", "centered"), default="standardized")),
+        ("--max-epochs", dict(type=positive_int, default=None, help="default: Table 5")),
+        ("--patience", dict(type=positive_int, default=None, help="validation checks")),
+        ("--max-train", dict(type=positive_int, default=None, help="subsample training rows")),
+    ]
+    description = (
+        "Harrison et al. (2024) Table 2: UCI regression with VBLL, MAP and last-layer Laplace "
+        "(App. G.2 protocol)."
     )
     title = "Test NLL / RMSE (original units), mean ± s.e. over seeds; paper Table 2 beside"
-    return report(res, args, title=title)
+    return cli(argv, "vbll_uci", description, options, run, title=title)
 
 
 if __name__ == "__main__":

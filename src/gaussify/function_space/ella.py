@@ -31,7 +31,7 @@ for regression the sufficient statistics are stored per output so the noise can 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,18 @@ from gaussify.function_space.ntk import Route, ntk
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
-from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.posterior import DeclaredCapabilities
+from gaussify.predictive import (
+    LinkName,
+    Predictive,
+    posterior_predictive,
+)
+from gaussify.prior_tuning import (
+    hyperparameters_or_current,
+    maximise_evidence,
+    noise_to_tune,
+    tuning_options,
+)
 from gaussify.state import (
     Integer,
     Nested,
@@ -65,11 +76,9 @@ from gaussify.state import (
 from gaussify.tuning import (
     Optimizer,
     TuningResult,
-    check_tuning_arguments,
     grid_search,
     prior_from_weights,
     residual_rms,
-    tune_hyperparameters,
 )
 from gaussify.validation import check_count, check_inputs, validated_batches
 
@@ -137,7 +146,7 @@ def select_landmarks(
     return x_all[torch.tensor(idx)]
 
 
-class ELLA:
+class ELLA(DeclaredCapabilities):
     """Nystrom-accelerated linearised Laplace (Deng et al. 2022) with the full C x C
     likelihood Hessian blocks.
 
@@ -146,6 +155,13 @@ class ELLA:
     scalar can be changed after fitting). ``seed`` seeds the landmark choice. ``eig_tol``:
     relative eigenvalue cut of the landmark kernel (:func:`nystrom_projection`).
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "sample": "ELLA's Gaussian is over the coefficients of its R Nystrom features of the "
+        "kernel, not over the network's weights, so it has no weight samples; use "
+        "predict(x, link='mc') for function-space samples, or FunctionalLaplace / Laplace / "
+        "VaLLA.sample for weights",
+    }
 
     def __init__(
         self,
@@ -180,11 +196,13 @@ class ELLA:
         self.eig_tol = eig_tol
         self.chunk_size = chunk_size
         self.route: Route = route
-        dtype = next(model.parameters()).dtype
-        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        dtype = first.dtype
+        prior = torch.as_tensor(prior_precision, dtype=dtype, device=first.device)
+        prior = check_prior(prior).clone()
         expand_prior(prior, self.subset)
         self.prior_precision = prior
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, first.device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False
@@ -349,13 +367,8 @@ class ELLA:
         in a scalar prior precision and the regression noise."""
         self._require_fit()
         dtype = self._proj.dtype
-        prior = (
-            self.prior_precision
-            if prior_precision is None
-            else torch.as_tensor(prior_precision, dtype=dtype)
-        )
-        sigma = (
-            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
+        prior, sigma = hyperparameters_or_current(
+            self, prior_precision, sigma_noise, dtype, self._proj.device
         )
         a, s, const = self._posterior_terms(prior, sigma)
         st = self._stats
@@ -403,30 +416,24 @@ class ELLA:
         ``n_steps`` Adam steps from the current value, as laplace-torch); ``method="grid"``:
         the best prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
         :attr:`tuning_result`. ``data`` is fitted first when not fitted yet."""
-        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
+        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
-        if tune_noise is None:
-            tune_noise = self.task == "regression" and self.sigma_noise.ndim == 0
-        if tune_noise and self.task != "regression":
-            raise ValueError("tune_noise: only a regression likelihood has noise to tune")
+        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self._proj.dtype
         if method == "grid":
-            result = grid_search(self.log_marginal_likelihood, grid, dtype)
+            result = grid_search(self.log_marginal_likelihood, options.grid, dtype)
             self.prior_precision = result.prior_precision
         else:
             noise_start = residual_rms(self._stats["sse"], self.num_data) if tune_noise else None
-            result = tune_hyperparameters(
+            result = maximise_evidence(
                 self.log_marginal_likelihood,
                 self.prior_precision.reshape(()).to(dtype),
                 self.sigma_noise,
+                options,
                 tune_noise=tune_noise,
-                n_steps=n_steps,
-                lr=lr,
-                optimizer=optimizer,
                 prior_centre=prior_from_weights(self.theta_star),
-                fixed_steps=fixed_steps,
                 noise_start=noise_start,
                 caller="ELLA.optimize_prior",
             )
@@ -487,15 +494,14 @@ class ELLA:
                 f"method: ELLA predicts with the linearised model 'glm', got {method!r}"
             )
         f_mean = model_outputs(self.model, x, self.chunk_size)
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
-        return predictive_from_gaussian(
+        return posterior_predictive(
             f_mean,
             self.functional_covariance(x),
             self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+            self.sigma_noise,
+            link,
+            num_samples,
+            generator,
         )
 
     # ------------------------------------------------------------------ state

@@ -48,10 +48,21 @@ from gaussify.evidence import (
     warn_dropped_correction,
 )
 from gaussify.function_space.ntk import Route, ntk, ntk_components, ntk_diag, prior_scales
+from gaussify.function_space.pathwise import pathwise_sample
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
-from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
+from gaussify.predictive import (
+    LinkName,
+    Predictive,
+    posterior_predictive,
+)
+from gaussify.prior_tuning import (
+    hyperparameters_or_current,
+    maximise_evidence,
+    noise_to_tune,
+    tuning_options,
+)
 from gaussify.state import (
     Integer,
     Maybe,
@@ -68,10 +79,8 @@ from gaussify.tuning import (
     Optimizer,
     TuningResult,
     check_choice,
-    check_tuning_arguments,
     grid_search,
     prior_from_weights,
-    tune_hyperparameters,
 )
 from gaussify.validation import check_count, check_data, check_inputs
 
@@ -285,14 +294,16 @@ class FunctionalLaplace:
         self.route: Route = route
         dtype = next(model.parameters()).dtype
         self.prior_precision = self._validate_prior(prior_precision, dtype)
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        device = next(model.parameters()).device
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False
         self._chol: Tensor | None = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        device = next(self.model.parameters()).device
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
@@ -375,7 +386,7 @@ class FunctionalLaplace:
         one), differentiable in it."""
         self._require_fit()
         prior = self.prior_precision if prior_precision is None else prior_precision
-        prior = torch.as_tensor(prior, dtype=self._f.dtype)
+        prior = torch.as_tensor(prior, dtype=self._f.dtype, device=self._f.device)
         scales = prior_scales(prior, self.subset)
         if any(s.ndim > 0 for s in scales.values()):
             cached = self._direct
@@ -407,16 +418,9 @@ class FunctionalLaplace:
     def _hyper(
         self, prior_precision: Tensor | float | None, sigma_noise: Tensor | float | None
     ) -> tuple[Tensor, Tensor]:
-        dtype = self._f.dtype
-        prior = (
-            self.prior_precision
-            if prior_precision is None
-            else torch.as_tensor(prior_precision, dtype=dtype)
+        return hyperparameters_or_current(
+            self, prior_precision, sigma_noise, self._f.dtype, self._f.device
         )
-        sigma = (
-            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
-        )
-        return prior, sigma
 
     def log_marginal_likelihood(
         self,
@@ -471,18 +475,15 @@ class FunctionalLaplace:
         "scalar" or "layer" (one per parameter tensor); ``method="grid"``: the best scalar
         prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
         :attr:`tuning_result`. ``data`` is fitted first when the posterior is not fitted yet."""
-        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
+        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         check_choice(granularity, "granularity", ("scalar", "layer"))
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
-        if tune_noise is None:
-            tune_noise = self.task == "regression" and self.sigma_noise.ndim == 0
-        if tune_noise and self.task != "regression":
-            raise ValueError("tune_noise: only a regression likelihood has noise to tune")
+        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self._f.dtype
         if method == "grid":
-            result = grid_search(self.log_marginal_likelihood, grid, dtype)
+            result = grid_search(self.log_marginal_likelihood, options.grid, dtype)
             self.prior_precision = result.prior_precision
             self.tuning_result = result
             self._chol = None
@@ -497,16 +498,13 @@ class FunctionalLaplace:
         if tune_noise:
             residual = self._y.reshape(self._f.shape).to(dtype) - self._f
             noise_start = float(residual.square().mean().sqrt())
-        result = tune_hyperparameters(
+        result = maximise_evidence(
             self.log_marginal_likelihood,
             start,
             self.sigma_noise,
+            options,
             tune_noise=tune_noise,
-            n_steps=n_steps,
-            lr=lr,
-            optimizer=optimizer,
             prior_centre=prior_from_weights(self.theta_star),
-            fixed_steps=fixed_steps,
             noise_start=noise_start,
             caller="FunctionalLaplace.optimize_prior",
         )
@@ -587,15 +585,31 @@ class FunctionalLaplace:
             )
         f_mean = model_outputs(self.model, x, self.chunk_size)
         f_cov = self.functional_covariance(x)
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
-        return predictive_from_gaussian(
-            f_mean,
-            f_cov,
-            self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+        return posterior_predictive(
+            f_mean, f_cov, self.task, self.sigma_noise, link, num_samples, generator
+        )
+
+    @in_eval_mode
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Weight samples theta_s ~ N(theta*, (J^T Lambda J + P0)^-1), (S, P) in the subset's
+        flattening order: the weight-space posterior whose pushforward is this GP (the same
+        as ``Laplace(..., "full")``'s), drawn by pathwise conditioning on the training
+        Jacobians (:func:`gaussify.function_space.pathwise.pathwise_sample`; the (NC, NC)
+        factor :attr:`posterior_factor` and S Jacobian-vector products, no P x P matrix)."""
+        self._require_fit()
+        num_samples = check_count(num_samples, "num_samples")
+        lam_sqrt = self._likelihood_at(self.sigma_noise).hessian_sqrt(self._f)
+        prior = expand_prior(self.prior_precision, self.subset).to(self._f.dtype)
+        return pathwise_sample(
+            self.model,
+            self._x,
+            self.subset,
+            self.theta_star,
+            prior,
+            lam_sqrt,
+            self.posterior_factor,
+            num_samples,
+            generator,
         )
 
     # ------------------------------------------------------------------ state

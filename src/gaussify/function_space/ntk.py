@@ -39,8 +39,6 @@ from torch import Tensor, nn
 from gaussify.curvature.jacobian import (
     DEFAULT_CHUNK_ELEMENTS,
     SubsetLike,
-    _hookable_linears,
-    _linear_traces,
     auto_chunk_size,
     check_eval_mode,
     chunk_slices,
@@ -48,6 +46,7 @@ from gaussify.curvature.jacobian import (
     model_outputs,
     resolve_subset,
 )
+from gaussify.curvature.layer_traces import _hookable_linears, _linear_traces
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior
 from gaussify.validation import check_count, check_inputs
 

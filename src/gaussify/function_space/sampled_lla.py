@@ -27,13 +27,11 @@ Predictions push the samples through the linearised network, f(x; theta*) + J(x)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Any, ClassVar, Literal
 
 import torch
-import torch.func as tfunc
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
 
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import (
@@ -43,13 +41,16 @@ from gaussify.curvature.jacobian import (
     model_outputs,
 )
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
+from gaussify.function_space.pathwise import batched_jvp, batched_vjp
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import (
     LinkName,
     Predictive,
-    predictive_from_gaussian,
+    noise_variance,
+    posterior_predictive,
     predictive_from_samples,
 )
 from gaussify.state import (
@@ -73,44 +74,6 @@ __all__ = [
 Solver = Literal["sgd", "cg", "solve"]
 Optimizer = Literal["sgd", "adam"]
 Route = Literal["auto", "jacobian", "jvp"]
-
-
-def _functional(model: nn.Module, subset: ParameterSubset, x: Tensor) -> tuple[Callable, dict]:
-    """(params -> f(x) (B, C), current subset parameters), every other parameter frozen."""
-    chosen = set(subset.names)
-    named = dict(model.named_parameters())
-    params = {n: named[n].detach() for n in subset.names}
-    frozen = {n: p.detach() for n, p in named.items() if n not in chosen}
-
-    def f(p: dict[str, Tensor]) -> Tensor:
-        return functional_call(model, {**frozen, **p}, (x,))
-
-    return f, params
-
-
-def batched_jvp(model: nn.Module, x: Tensor, subset: ParameterSubset, v: Tensor) -> Tensor:
-    """J(x) v_s for a batch of tangents ``v (S, P)``: shape (S, N, C).
-
-    ``vmap`` of forward-mode ``torch.func.jvp`` over the S tangents (the primal pass is shared),
-    so no Jacobian is materialised. The model must be in eval mode.
-    """
-    f, params = _functional(model, subset, x)
-
-    def one(t: Tensor) -> Tensor:
-        return tfunc.jvp(f, (params,), (subset.unflatten(t),))[1]
-
-    return vmap(one)(v.to(next(iter(params.values())).dtype))
-
-
-def batched_vjp(model: nn.Module, x: Tensor, subset: ParameterSubset, u: Tensor) -> Tensor:
-    """sum_n J_n^T u_{s,n} for a batch of output-space cotangents ``u (S, N, C)``: shape (S, P).
-
-    One forward pass and a ``vmap`` over the S cotangents of its pullback.
-    """
-    f, params = _functional(model, subset, x)
-    out, pullback = tfunc.vjp(f, params)
-    (grads,) = vmap(pullback)(u.to(out.dtype))
-    return subset.flatten(grads)
 
 
 def randomised_minimiser(
@@ -177,7 +140,7 @@ class _BatchGGN:
         return self.pullback(torch.einsum("nck,snk->snc", self.factor, w)), w
 
 
-class SampledLLA:
+class SampledLLA(DeclaredCapabilities):
     """Linearised Laplace posterior represented by S weight samples (sample-then-optimise).
 
     ``likelihood``: "regression", "classification", "binary" or a likelihood object.
@@ -210,6 +173,12 @@ class SampledLLA:
     After :meth:`fit`, ``samples`` (S, P) holds delta_s = theta_s - theta*, ``theta_star`` the
     linearisation point; :meth:`sample` returns theta_s.
     """
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "the posterior is held as S samples, which give no log det "
+        "of the posterior precision; use Laplace (structure 'full' / 'kron' / 'lowrank') or "
+        "FunctionalLaplace for the evidence",
+    }
 
     def __init__(
         self,
@@ -252,10 +221,12 @@ class SampledLLA:
         if self.task == "heteroscedastic":
             raise ValueError("likelihood: heteroscedastic outputs are not supported by SampledLLA")
         self.subset: ParameterSubset = select_parameters(model, subset)
-        dtype = next(model.parameters()).dtype
-        self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        prior = torch.as_tensor(prior_precision, dtype=first.dtype, device=first.device)
+        self.prior_precision = check_prior(prior).clone()
         expand_prior(self.prior_precision, self.subset)  # raises on a wrong granularity
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        sigma = check_sigma_noise(sigma_noise, self.task, first.dtype, first.device)
+        self.sigma_noise = sigma.clone()
         self.num_samples = num_samples
         self.solver: Solver = solver
         self.epochs, self.batch_size = epochs, batch_size
@@ -346,13 +317,15 @@ class SampledLLA:
                 "solver='sgd' or 'cg', or a smaller subset",
                 device=self.theta_star.device,
             )
-        self.delta0 = torch.randn(s, p, generator=gen, dtype=dtype) / prior.sqrt()
-        linear = torch.zeros(s, p, dtype=dtype)
-        gram = torch.zeros(p, p, dtype=dtype) if self.solver == "solve" else None
+        # draws from the (host) generator, then moved: the same samples on every device
+        device = self.theta_star.device
+        self.delta0 = torch.randn(s, p, generator=gen, dtype=dtype).to(device) / prior.sqrt()
+        linear = torch.zeros(s, p, dtype=dtype, device=device)
+        gram = torch.zeros(p, p, dtype=dtype, device=device) if self.solver == "solve" else None
         num_data = 0
         self._prepare_cache(data)
         for batch in self._iter_batches(data):
-            z = torch.randn(s, *batch.factor.shape[:2], generator=gen, dtype=dtype)
+            z = torch.randn(s, *batch.factor.shape[:2], generator=gen, dtype=dtype).to(device)
             linear += batch.noise(z)
             if gram is not None:
                 jac = batch.jac
@@ -423,6 +396,7 @@ class SampledLLA:
                 break
             x = batch.x
             v = torch.randn(1, self.subset.num_params, generator=gen, dtype=prior.dtype)
+            v = v.to(prior.device)
             lam = 0.0
             for _ in range(30):
                 v = v / v.norm()
@@ -493,16 +467,81 @@ class SampledLLA:
             raise RuntimeError("SampledLLA: call fit(data) before predicting or sampling")
         return self.samples
 
+    @transactional
+    def optimize_prior(
+        self, data: Batches | None = None, *, n_steps: int = 20, tol: float = 1e-3
+    ) -> SampledLLA:
+        """Type-II maximum likelihood of the prior precision by the sample-based EM of
+        Antorán et al. (2023) (MacKay's fixed point). The Laplace evidence's derivative in a
+        prior alpha_g shared by a group g of P_g weights vanishes where
+        alpha_g = gamma_g / ||theta*_g||^2, gamma_g = P_g - alpha_g tr_g(A^-1) the effective
+        number of parameters; the fitted samples delta_s ~ N(0, A^-1) estimate
+        tr_g(A^-1) = E ||delta_{s,g}||^2 by their mean. Each update is followed by a new
+        :meth:`fit` (the samples at the new prior) on ``data``, for at most ``n_steps`` updates or
+        until no group's alpha moves by more than ``tol`` (relative). The stationary point is
+        the Laplace-GGN evidence's without the non-MAP correction; the evidence itself is not
+        computed (samples give no log det A). Groups: the prior's granularity (a scalar, or
+        one value per parameter tensor; a per-weight prior is refused: one sample-based
+        estimate per weight is noise)."""
+        if data is None:
+            raise ValueError(
+                "data: SampledLLA.optimize_prior refits the samples after every update; pass "
+                "the training data"
+            )
+        n_steps = check_count(n_steps, "n_steps")
+        if not math.isfinite(tol) or tol < 0:
+            raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+        names, p = len(self.subset.names), self.subset.num_params
+        k = self.prior_precision.numel()
+        if self.prior_precision.ndim > 0 and not (k == names and k != p) and k != 1:
+            raise ValueError(
+                "prior_precision: the EM update needs a scalar or one value per parameter "
+                f"tensor ({names}), got {k} values"
+            )
+        if self.samples is None:
+            self.fit(data)
+        device = self.theta_star.device
+        counts = torch.tensor(list(self.subset.counts), device=device)
+        group = (
+            torch.arange(len(counts), device=device).repeat_interleave(counts)
+            if self.prior_precision.ndim > 0 and k == names
+            else torch.zeros(p, dtype=torch.long, device=device)
+        )
+        size = torch.bincount(group).to(self.theta_star.dtype)
+        for _ in range(n_steps):
+            samples = self._require_fit()
+            alpha = self.prior_precision.reshape(-1).to(self.theta_star.dtype)
+            trace = torch.zeros_like(size).index_add_(0, group, samples.square().mean(0))
+            norm = torch.zeros_like(size).index_add_(0, group, self.theta_star.square())
+            gamma = (size - alpha * trace).clamp(min=1e-3 * size, max=size)
+            new = gamma / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+            change = float(((new - alpha).abs() / alpha).max())
+            self.prior_precision = new.reshape(self.prior_precision.shape).to(
+                self.prior_precision.dtype
+            )
+            self.fit(data)
+            if change <= tol:
+                break
+        return self
+
     # ------------------------------------------------------------------ posterior
-    def sample(self, num_samples: int | None = None) -> Tensor:
-        """Weight samples theta* + delta_s, (S, P) (the first ``num_samples`` of the S)."""
+    def sample(
+        self, num_samples: int | None = None, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """Weight samples theta* + delta_s, (S, P): the first ``num_samples`` of the S fitted
+        samples, or, with ``generator``, ``num_samples`` of them chosen at random without
+        replacement (each fitted sample is an independent exact draw of q, so any subset is
+        too; new draws need a new :meth:`fit`, which optimises them)."""
         samples = self._require_fit()
         n = samples.shape[0] if num_samples is None else check_count(num_samples, "num_samples")
         if n < 1 or n > samples.shape[0]:
             raise ValueError(
                 f"num_samples: must be in [1, {samples.shape[0]}] (the fitted samples), got {n}"
             )
-        return self.theta_star + samples[:n]
+        if generator is None:
+            return self.theta_star + samples[:n]
+        chosen = torch.randperm(samples.shape[0], generator=generator)[:n]
+        return self.theta_star + samples[chosen]
 
     @in_eval_mode
     def objective(self, data: Batches) -> Tensor:
@@ -556,21 +595,15 @@ class SampledLLA:
         self._require_fit()
         check_inputs(x, self.model)
         num_samples = check_count(num_samples, "num_samples")
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        noise_var = noise_variance(self.task, self.sigma_noise)
         f_samples = self.predict_samples(x, chunk_size=chunk_size)
         if link == "mc":
             return predictive_from_samples(f_samples, self.task, noise_var=noise_var)
         f_mean = model_outputs(self.model, x)
         dev = f_samples - f_mean
         f_cov = torch.einsum("snc,snd->ncd", dev, dev) / dev.shape[0]
-        return predictive_from_gaussian(
-            f_mean,
-            f_cov,
-            self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+        return posterior_predictive(
+            f_mean, f_cov, self.task, self.sigma_noise, link, num_samples, generator
         )
 
     # ------------------------------------------------------------------ state

@@ -41,11 +41,15 @@ from gaussify.last_layer.posthoc import (
     extract_features,
     fit_posthoc,
 )
-from gaussify.last_layer.vbll import VBLLDiscriminative, VBLLGenerative, VBLLRegression
-from gaussify.last_layer.vbll_extras import (
+from gaussify.last_layer.vbll_discriminative import (
+    VBLLDiscriminative,
     VBLLHeteroscedasticDiscriminative,
-    VBLLHeteroscedasticRegression,
     VBLLStudentTDiscriminative,
+)
+from gaussify.last_layer.vbll_generative import VBLLGenerative
+from gaussify.last_layer.vbll_regression import (
+    VBLLHeteroscedasticRegression,
+    VBLLRegression,
     VBLLStudentTRegression,
 )
 

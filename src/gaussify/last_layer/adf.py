@@ -20,14 +20,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from gaussify.approx_likelihoods.pseudo_targets import check_labels
 from gaussify.batches import Batches
+from gaussify.last_layer.columns import sample_columns
 from gaussify.last_layer.exact import augment, check_features
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
     Choice,
@@ -54,7 +56,7 @@ def adf_moments(a: Tensor, s: Tensor, y: int, eps: Tensor) -> tuple[Tensor, Tens
     return log_z.detach(), grad_a, grad_s
 
 
-class ADFLastLayer:
+class ADFLastLayer(DeclaredCapabilities):
     """ADF for the softmax last layer with a full Gaussian per output (Sec. 4.3 baseline).
 
     ``prior_precision`` delta of ``N(0, I/delta)`` per column; ``num_samples`` Monte Carlo
@@ -62,19 +64,19 @@ class ADFLastLayer:
     variance along a point may shrink by in one update; ``generator`` for the samples.
     """
 
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "ADF projects after every point (with damping and a floor "
+        "on the variance), so its one-step normalisers are no estimate of log p(D) that "
+        "tuning could trust; use ExactLastLayer.log_marginal_likelihood",
+        "optimize_prior": "ADF has no evidence to maximise; choose the prior with "
+        "ExactLastLayer.optimize_prior on the same features and pass it in",
+    }
+
     def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        *,
-        prior_precision: float = 1.0,
-        bias: bool = True,
-        num_samples: int = 100,
-        damping: float = 1.0,
-        min_ratio: float = 1e-3,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype = torch.float64,
-    ) -> None:
+        self, in_features: int, num_classes: int, *, prior_precision: float = 1.0,
+        bias: bool = True, num_samples: int = 100, damping: float = 1.0, min_ratio: float = 1e-3,
+        generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64,
+    ) -> None:  # fmt: skip
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes: must be an integer >= 2, got {num_classes!r}")
         if not 0 < damping <= 1:
@@ -142,13 +144,9 @@ class ADFLastLayer:
         return self
 
     def predict(
-        self,
-        phi: Tensor,
-        link: LinkName = "probit",
-        *,
-        num_samples: int = 100,
+        self, phi: Tensor, link: LinkName = "probit", *, num_samples: int = 100,
         generator: torch.Generator | None = None,
-    ) -> Predictive:
+    ) -> Predictive:  # fmt: skip
         """Predictive at ``phi (N, D)`` from the current Gaussian (as for the exact layer)."""
         num_samples = check_count(num_samples, "num_samples")
         x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
@@ -181,10 +179,19 @@ class ADFLastLayer:
             }
         )
 
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws of the weights W ~ q(W) (columns independent Gaussians), (S, D' K) in the
+        row-major order of :attr:`mean` (D', K)
+        (:func:`gaussify.last_layer.columns.sample_columns`)."""
+        num_samples = check_count(num_samples, "num_samples")
+        return sample_columns(self.mean, self.covariance, num_samples, generator)
+
     @transactional
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Restore :meth:`state_dict`; the whole state is validated first
-        (:mod:`gaussify.state`) and a failed load changes nothing."""
+        (:mod:`gaussify.state`) and a failed load changes nothing. ``strict`` is accepted for
+        the posterior protocol: a layer on features holds no network weights to compare, so
+        the state is always checked in full."""
         d, k, dt = self.num_features, self.num_classes, self.dtype
         schema = {
             "task": Maybe(Choice((self.task,), "the task of this layer")),
@@ -203,17 +210,10 @@ class SGDLastLayer:
     each arriving batch; ``weight_decay`` plays the Gaussian prior. Weights start at zero."""
 
     def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        *,
-        lr: float = 0.1,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        steps: int = 1,
-        bias: bool = True,
+        self, in_features: int, num_classes: int, *, lr: float = 0.1, momentum: float = 0.9,
+        weight_decay: float = 0.0, steps: int = 1, bias: bool = True,
         dtype: torch.dtype = torch.float64,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if lr <= 0:
             raise ValueError(f"lr: must be positive, got {lr}")
         steps = check_count(steps, "steps")
@@ -264,5 +264,5 @@ class SGDLastLayer:
         """Point-estimate predictive: ``softmax(f)`` with zero logit covariance."""
         x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f = (x @ self.weight).to(phi.dtype)
-        cov = torch.zeros(*f.shape, f.shape[-1], dtype=f.dtype)
+        cov = f.new_zeros(*f.shape, f.shape[-1])
         return Predictive(self.task, f, f_cov=cov, probs=torch.softmax(f, dim=-1))

@@ -25,16 +25,24 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from gaussify.last_layer.covariance import GaussianRows, StructuredCovariance
+from gaussify.last_layer.parameterization import make_covariance
 from gaussify.predictive import Predictive
 from gaussify.state import StateError, validate_module_state
 from gaussify.validation import check_count, check_finite
 
 __all__ = [
+    "ClassificationHead",
+    "LogNoiseLayer",
+    "NormalGammaNoise",
+    "RegressionHead",
     "VBLLHead",
     "VBLLOutput",
+    "WishartNoise",
     "check_labels",
     "check_positive",
     "check_regression_targets",
+    "initial_variance",
 ]
 
 
@@ -49,6 +57,12 @@ def check_positive(value: float, name: str) -> float:
 
 def _check_size(value: int, name: str) -> int:
     return check_count(value, name)
+
+
+def initial_variance(in_features: int, prior_scale: float) -> float:
+    """Initial posterior variance per weight: min(prior variance, 1 / in_features)."""
+    # start the posterior tighter than the prior: a variance of 1/D keeps phi^T S phi O(1)
+    return min(prior_scale, 1.0 / in_features)
 
 
 def check_labels(y: Any, num: int, num_classes: int) -> Tensor:
@@ -159,9 +173,10 @@ class VBLLHead(nn.Module, ABC):
         """Per-example lower bound on E_q[log p(y | phi, xi)] (exact for Gaussian
         regression heads), (N,). ``y`` already checked."""
 
-    @abstractmethod
     def kl(self) -> Tensor:
-        """KL(q(xi) || p(xi)) of the last-layer variational posterior, a scalar."""
+        """KL(q(xi) || p(xi)) of the last-layer variational posterior, a scalar; here
+        ``KL(q(W) || N(0, prior_scale I))``."""
+        return self.W().kl(self.prior_scale)
 
     def log_prior(self) -> Tensor:
         """Log prior of point-estimated quantities (the noise covariance); 0 if none."""
@@ -209,6 +224,52 @@ class VBLLHead(nn.Module, ABC):
     def forward(self, phi: Tensor) -> VBLLOutput:
         return VBLLOutput(self, self.check_features(phi))
 
+    # ---- the trained-posterior protocol (gaussify.posterior.TrainedPosterior) ------------
+
+    def predict(self, phi: Tensor) -> Predictive:
+        """The posterior predictive at features ``phi (N, in_features)`` as a
+        :class:`~gaussify.Predictive` (``head(phi).to_predictive()``)."""
+        return self.to_predictive(self.check_features(phi))
+
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws W_s ~ q(W) of the head's Gaussian weights (``W()``: R rows of length D, the
+        class means of the generative head), flattened to (S, R D) in row-major order
+        (``.reshape(S, R, D)`` gives the matrices); no gradient flows to the head."""
+        num_samples = check_count(num_samples, "num_samples")
+        with torch.no_grad():
+            draws = self.W().rsample((num_samples,), generator)
+        return draws.reshape(num_samples, -1)
+
+    # ---- the Gaussian layers q(W) (and q(M), q(mu)) ---------------------------------------
+
+    def add_gaussian_rows(
+        self,
+        name: str,
+        mean: Tensor,
+        num_blocks: int,
+        parameterization: str,
+        prior_scale: float,
+        cov_rank: int | None,
+    ) -> None:
+        """Register the Gaussian layer ``name``: rows of ``{name}_mean = mean (out_features,
+        in_features)`` with ``num_blocks`` covariances (1: one S shared by the rows, as in
+        MN(W_bar, I, S); ``out_features``: one S_k per row) in ``parameterization``, started
+        at :func:`initial_variance` for a prior variance ``prior_scale``, as ``{name}_cov``.
+        ``mean`` is drawn before the covariance (the order of the random draws)."""
+        self.parameterization = parameterization
+        setattr(self, f"{name}_mean", nn.Parameter(mean))
+        init_var = initial_variance(self.in_features, prior_scale)
+        cov = make_covariance(parameterization, num_blocks, self.in_features, init_var, cov_rank)
+        setattr(self, f"{name}_cov", cov)
+
+    def random_rows(self) -> Tensor:
+        """The initial weight mean ``randn(out, in) / sqrt(in)`` (unit-variance outputs)."""
+        return torch.randn(self.out_features, self.in_features) / math.sqrt(self.in_features)
+
+    def W(self) -> GaussianRows:
+        """q(W): the rows of the last layer (``W_mean``, ``W_cov``)."""
+        return GaussianRows(self.W_mean, self.W_cov())
+
     # ---- helpers --------------------------------------------------------------------------
 
     def _dtype(self) -> torch.dtype:
@@ -224,7 +285,127 @@ class VBLLHead(nn.Module, ABC):
         )
 
 
-class VBLLOutput:
+class WishartNoise:
+    """Mixin of the heads with a point-estimated noise covariance ``noise_cov`` (a
+    :class:`~gaussify.last_layer.noise.NoiseCovariance`) under the inverse-Wishart prior
+    ``W^-1(dof, wishart_scale I)`` (App. C.3, eq. 65): its checks, ``noise()`` and the
+    ``log_prior`` term of the objective."""
+
+    noise_cov: Any
+    wishart_scale: float
+    dof: float
+
+    def set_wishart_prior(self, wishart_scale: float, dof: float) -> None:
+        """Check and store the inverse-Wishart prior's scale and degrees of freedom."""
+        self.wishart_scale = check_positive(wishart_scale, "wishart_scale")
+        self.dof = check_positive(dof, "dof")
+
+    def noise(self) -> StructuredCovariance:
+        """The noise covariance (outputs' Sigma, diagonal logit noise or G-VBLL's feature
+        noise), as a structured covariance."""
+        return self.noise_cov.structured()
+
+    def log_prior(self) -> Tensor:
+        """``log W^-1(Sigma | dof, wishart_scale I)`` of the MAP noise covariance."""
+        return self.noise_cov.log_prior(self.dof, self.wishart_scale)
+
+
+class NormalGammaNoise:
+    """Mixin of the heads whose noise precisions are inferred: ``q(tau) = Gamma(a, b)`` in
+    ``noise_gamma`` (a :class:`~gaussify.last_layer.noise.GammaNoise`) and ``q(W | tau)`` with
+    covariance ``S / tau`` (the conjugate Normal-Gamma form)."""
+
+    noise_gamma: Any
+    prior_scale: float
+
+    def noise(self) -> Any:
+        """q(tau): Gamma posterior over the noise precisions, batch (out_features,)."""
+        return self.noise_gamma.distribution()
+
+    def kl(self) -> Tensor:
+        """KL of the Normal-Gamma pair: ``E_q(tau)[KL(q(W | tau) || p(W | tau))] +
+        KL(q(tau) || p(tau))``, the mean term weighted by ``E[tau] = a / b``."""
+        a, b = self.noise_gamma.concentration, self.noise_gamma.rate
+        return self.W().kl(self.prior_scale, mean_weight=a / b) + self.noise_gamma.kl()  # type: ignore[attr-defined]
+
+
+class LogNoiseLayer:
+    """Mixin of the heads with input-dependent noise ``exp(m^T phi)``: a second Gaussian layer
+    ``q(M)`` (``M_mean``, ``M_cov``) against ``N(0, noise_prior_scale I)``."""
+
+    noise_prior_scale: float
+    prior_scale: float
+
+    def M(self) -> GaussianRows:
+        """q(M): the log-noise-variance layer."""
+        return GaussianRows(self.M_mean, self.M_cov())  # type: ignore[attr-defined]
+
+    def kl(self) -> Tensor:
+        """``KL(q(W) || N(0, prior_scale I)) + KL(q(M) || N(0, noise_prior_scale I))``."""
+        return self.W().kl(self.prior_scale) + self.M().kl(self.noise_prior_scale)  # type: ignore[attr-defined]
+
+    def _moments(self, phi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Mean and variance of ``W phi`` and of the log noise ``M phi``, each (N, out)."""
+        mean, quad = self.W().output_moments(phi)  # type: ignore[attr-defined]
+        m, v = self.M().output_moments(phi)
+        return mean, quad, m, v
+
+
+class RegressionHead(VBLLHead):
+    """Shared target checks of the regression heads."""
+
+    task = "regression"
+
+    def check_targets(self, y: Any, num: int) -> Tensor:
+        return check_regression_targets(y, num, self.out_features, self.W_mean)
+
+
+class ClassificationHead(VBLLHead):
+    """Shared label checks and label-based predictive density of the classification heads."""
+
+    task = "classification"
+
+    def __init__(
+        self, in_features: int, out_features: int, regularization_weight: float,
+        prior_scale: float, link: str = "mc", num_samples: int = 100,
+    ) -> None:  # fmt: skip
+        super().__init__(in_features, out_features, regularization_weight, prior_scale)
+        if link not in ("mc", "probit", "bridge"):
+            raise ValueError(f"link: expected 'mc', 'probit' or 'bridge', got {link!r}")
+        num_samples = check_count(num_samples, "num_samples")
+        self.link, self.num_samples = link, num_samples
+
+    def check_targets(self, y: Any, num: int) -> Tensor:
+        return check_labels(y, num, self.out_features)
+
+    def log_prob(self, phi: Tensor, y: Tensor) -> Tensor:
+        probs = self.predictive(phi).probs
+        return probs.clamp_min(1e-12).log().gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+    def ood_score(self, phi: Tensor) -> Tensor:
+        """Negative maximum predictive probability (Hendrycks & Gimpel 2017; App. C.7)."""
+        return -self.predictive(phi).probs.amax(-1)
+
+
+class VBLLNames:
+    """The ``vbll`` package's names of an output's methods (``train_loss_fn``,
+    ``val_loss_fn``), shared by :class:`VBLLOutput` and the BNN output."""
+
+    train_loss: Callable[[Tensor], Tensor]
+    val_loss: Callable[[Tensor], Tensor]
+
+    @property
+    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`train_loss`."""
+        return self.train_loss
+
+    @property
+    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
+        """The ``vbll`` package's name for :meth:`val_loss`."""
+        return self.val_loss
+
+
+class VBLLOutput(VBLLNames):
     """The result of ``head(phi)``: the predictive and the training loss at these features.
 
     ``predictive`` (computed on first access), ``train_loss(y)`` (``train_loss_fn`` is the
@@ -262,16 +443,6 @@ class VBLLOutput:
 
     def elbo_terms(self, y: Tensor) -> dict[str, Tensor]:
         return self.head.elbo_terms(self.features, y)
-
-    @property
-    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        """The ``vbll`` package's name for :meth:`train_loss`."""
-        return self.train_loss
-
-    @property
-    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        """The ``vbll`` package's name for :meth:`val_loss`."""
-        return self.val_loss
 
     @property
     def ood_scores(self) -> Tensor:

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gaussify.last_layer.base import VBLLHead, VBLLOutput, check_positive
-from gaussify.last_layer.vbll import ClassificationHead, VBLLGenerative
+from gaussify.last_layer.base import (
+    ClassificationHead,
+    VBLLHead,
+    VBLLNames,
+    VBLLOutput,
+    check_positive,
+)
+from gaussify.last_layer.vbll_generative import VBLLGenerative
 from gaussify.predictive import Predictive
 from gaussify.validation import check_count
 
@@ -182,7 +187,7 @@ def mix_predictives(preds: list[Predictive]) -> Predictive:
     return Predictive(first.task, mean, f_cov=cov, f_samples=samples, probs=probs)
 
 
-class BNNOutput:
+class BNNOutput(VBLLNames):
     """What :class:`VBLLBNN` returns: the head outputs at ``S`` feature samples plus the
     feature KL; the same interface as :class:`~gaussify.last_layer.VBLLOutput`."""
 
@@ -234,14 +239,6 @@ class BNNOutput:
             assert pred.probs is not None
             return -pred.probs.amax(-1)
         return pred.f_var.sum(-1)
-
-    @property
-    def train_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        return self.train_loss
-
-    @property
-    def val_loss_fn(self) -> Callable[[Tensor], Tensor]:
-        return self.val_loss
 
 
 class VBLLBNN(nn.Module):

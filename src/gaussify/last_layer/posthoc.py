@@ -21,7 +21,7 @@ from gaussify.batches import Batches, as_batches
 from gaussify.last_layer.base import VBLLHead, check_labels, check_positive
 from gaussify.last_layer.bounds import gaussian_log_prob
 from gaussify.last_layer.covariance import Dense
-from gaussify.last_layer.vbll import VBLLGenerative
+from gaussify.last_layer.vbll_generative import VBLLGenerative
 from gaussify.validation import check_count, check_finite, validated_batches
 
 __all__ = ["GVBLLMAP", "class_covariance_map", "extract_features", "fit_posthoc"]

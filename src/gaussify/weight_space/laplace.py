@@ -16,27 +16,15 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
 
 from gaussify import distributed
 from gaussify.batches import Batches
-from gaussify.curvature import make_curvature
-from gaussify.curvature.base import LastLayerPrecision
 from gaussify.curvature.jacobian import (
-    MIN_CHUNK_ELEMENTS,
     SubsetLike,
-    chunk_slices,
-    jacobians,
-    jvp_with_outputs,
     resolve_subset,
-    vjp,
 )
-from gaussify.curvature.kron import KronPosteriorPrecision, traced_predictive
 from gaussify.curvature.lastlayer import (
     find_output_linear,
-    forward_with_features,
-    lastlayer_jvp,
-    lastlayer_vjp,
 )
 from gaussify.curvature.subset import (
     ParameterSubset,
@@ -52,30 +40,48 @@ from gaussify.likelihoods import (
     check_sigma_noise,
     get_likelihood,
 )
-from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
     Predictive,
-    predictive_from_gaussian,
+    noise_variance,
+    posterior_predictive,
     predictive_from_samples,
 )
-from gaussify.spectral import Spectrum, build_spectrum
+from gaussify.prior_tuning import (
+    hyperparameters_or_current,
+    maximise_evidence,
+    noise_to_tune,
+    tuning_options,
+)
+from gaussify.spectral import Spectrum
 from gaussify.state import transactional
 from gaussify.tuning import (
     Optimizer,
     TuningResult,
     check_choice,
-    check_tuning_arguments,
+    decomposition_stage,
     grid_search,
     prior_from_weights,
     residual_rms,
-    tune_hyperparameters,
 )
 from gaussify.validation import check_count, check_inputs, validated_batches
+from gaussify.weight_space.dense_views import DenseViews
 from gaussify.weight_space.joint import function_samples, joint_predictive
-from gaussify.weight_space.laplace_evidence import fitted_log_evidence, log_lik_and_supremum
+from gaussify.weight_space.laplace_evidence import (
+    fitted_log_evidence,
+    fitted_spectrum,
+    prior_groups,
+)
 from gaussify.weight_space.laplace_fields import Granularity
+from gaussify.weight_space.laplace_fit import (
+    accumulate,
+    add_statistics,
+    refine_mean,
+    restore_statistics,
+    statistics,
+)
+from gaussify.weight_space.laplace_predict import glm_moments, nn_samples
 from gaussify.weight_space.laplace_state import laplace_state_dict, load_laplace_state
 
 __all__ = ["Laplace"]
@@ -84,7 +90,7 @@ Structure = Literal["full", "diag", "kron", "lowrank"]
 STRUCTURES = ("full", "diag", "kron", "lowrank")
 
 
-class Laplace:
+class Laplace(DenseViews):
     """Laplace-GGN posterior over the weights of ``model`` (or a subset of them).
 
     ``likelihood``: "classification", "regression", "binary" or a likelihood object.
@@ -171,6 +177,12 @@ class Laplace:
     # Setting any of them drops the cached posterior precision (built lazily from them), so
     # predict / sample / posterior_* after a change use the new values.
     @property
+    def _device(self) -> torch.device:
+        """The model's device (where its first parameter lives): every tensor of the fit and
+        the predictive is created there."""
+        return next(self.model.parameters()).device
+
+    @property
     def prior_precision(self) -> Tensor:
         """Prior precision P0: a scalar, one per parameter tensor, or one per parameter."""
         return self._prior_precision
@@ -200,7 +212,7 @@ class Laplace:
 
     @prior_mean.setter
     def prior_mean(self, value: float | Tensor) -> None:
-        m0 = torch.as_tensor(value, dtype=self._dtype).detach()
+        m0 = torch.as_tensor(value, dtype=self._dtype, device=self._device).detach()
         p = self.subset.num_params
         if m0.ndim == 1 and m0.numel() > 1 and m0.stride(0) == 0:
             m0 = m0[0]  # a broadcast scalar (e.g. a saved scalar prior mean) stays one number
@@ -241,12 +253,12 @@ class Laplace:
         self._posterior = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=self._device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
     def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
-        return check_sigma_noise(sigma, self.task, self._dtype).clone()
+        return check_sigma_noise(sigma, self.task, self._dtype, self._device).clone()
 
     # ------------------------------------------------------------------ fitting
 
@@ -292,175 +304,11 @@ class Laplace:
 
     def _add_statistics(self, previous: tuple[Any, ...]) -> None:
         """Add an earlier fit's sums (from :meth:`_statistics`) to the current ones."""
-        old_curv, old_sigma, old_n, old_log_lik, old_grad, old_sse, _ = previous
-        if self.task == "regression" and not torch.equal(old_sigma, self._sigma_fit):
-            self._restore_statistics(previous)
-            raise ValueError(
-                "reset: sigma_noise changed between incremental fits; the GGN of the earlier "
-                "data was built with the old noise, refit with reset=True"
-            )
-        new_state = self._curvature.state_dict()
-        old_state = old_curv.state_dict()
-        self._curvature.load_state_dict({k: v + old_state[k] for k, v in new_state.items()})
-        self.num_data += old_n
-        self._log_lik = self._log_lik + old_log_lik
-        self._grad = self._grad + old_grad
-        if self._sse is not None and old_sse is not None:
-            self._sse = self._sse + old_sse
-        self._posterior = None
+        add_statistics(self, previous)
 
     def _accumulate(self, batches: Any, shift: Tensor | None, progress: bool = False) -> None:
-        """One pass over the data: curvature, log-likelihood, its gradient and (regression)
-        squared errors of the network linearised at theta*, evaluated at theta* + ``shift``
-        (f_lin = f(x; theta*) + J shift; shift None means f_lin = f)."""
-        curvature = make_curvature(
-            self.structure,
-            self.model,
-            self.likelihood,
-            self.subset,
-            generator=self.generator,
-            **self.curvature_options,
-        )
-        log_lik = torch.zeros((), dtype=self._dtype)
-        # the mean is not read here: before the first fit it is built on demand (P numbers)
-        grad = torch.zeros(self.subset.num_params, dtype=self._dtype)
-        sse: Tensor | None = None
-        num_data = 0
-        iterator = batches
-        if progress:
-            from tqdm.auto import tqdm
-
-            iterator = tqdm(batches, desc=f"Laplace fit ({self.structure})", unit="batch")
-        if hasattr(curvature, "keep_outputs"):
-            curvature.keep_outputs = True  # hand (f, phi) over instead of a second forward
-        for x, y in iterator:
-            if shift is None:
-                # One forward pass besides the curvature's own: none on the last-layer path
-                # where the curvature kept its outputs and features, else one forward +
-                # backward that gives f, log p(y | f) and J^T r together.
-                curvature.update(self.model, x, y)
-                f, phi = self._outputs_after_update(curvature, x)
-                if f is None or phi is None:
-                    f = self._outputs_and_gradient(x, y, grad)
-                    log_lik += self.likelihood.log_prob(f, y).sum()
-                else:
-                    log_lik += self._feature_statistics(f, phi, y, grad)
-            else:
-                f, offset, phi = self._linearised_outputs(x, shift)
-                curvature.update(self.model, x, y, offset=offset)
-                if phi is not None:
-                    log_lik += self._feature_statistics(f, phi, y, grad)
-                else:
-                    log_lik += self.likelihood.log_prob(f, y).sum()
-                    grad += vjp(self.model, x, self.subset, self.likelihood.residual(f, y))
-            if self.task == "regression":
-                sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
-                sse = sq if sse is None else sse + sq
-            num_data += x.shape[0]
-            del f, phi  # not kept alive while the next batch is drawn and processed
-        # torch.distributed: every statistic above is a sum over data (no-op without a group)
-        distributed.reduce_curvature(curvature)
-        log_lik, grad, sse, num_data = distributed.all_reduce_sum(log_lik, grad, sse, num_data)
-        if num_data == 0:
-            raise ValueError("data: contains no examples")
-        if hasattr(curvature, "last_outputs"):
-            curvature.last_outputs = None  # the last batch's outputs and features: not state
-        self._curvature = curvature
-        self._sigma_fit = self.sigma_noise.clone()  # the noise the curvature was built with
-        self.num_data = num_data
-        self._log_lik = log_lik
-        self._grad = grad
-        self._sse = sse
-        self._posterior = None
-
-    def _feature_statistics(self, f: Tensor, phi: Tensor, y: Tensor, grad: Tensor) -> Tensor:
-        """Last-layer path: adds J^T r to ``grad`` in place from the features phi and returns
-        sum_n log p(y_n | f_n); in chunks, so that the likelihood's (B, C) temporaries
-        (softmax, one-hot, residual) of a many-class batch stay about as large as the
-        parameter vector."""
-        assert self._output_layer is not None
-        log_lik = torch.zeros((), dtype=grad.dtype)
-        budget = max(self.subset.num_params, MIN_CHUNK_ELEMENTS)
-        for sl in chunk_slices(f.shape[0], max(1, budget // (8 * f.shape[1]))):
-            log_lik += self.likelihood.log_prob(f[sl], y[sl]).sum()
-            residual = self.likelihood.residual(f[sl], y[sl])
-            lastlayer_vjp(phi[sl], residual, self._output_layer, out=grad)
-        return log_lik
-
-    def _outputs_after_update(
-        self, curvature: Any, x: Tensor
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """(f, phi) of the batch just added to ``curvature`` on the last-layer feature path:
-        taken from the curvature when it kept them (``last_outputs``), else one forward pass
-        without gradients; (None, None) off the feature path (the caller then needs a forward
-        pass with a graph anyway)."""
-        if not self._feature_path or self._output_layer is None:
-            return None, None
-        kept = getattr(curvature, "last_outputs", None)
-        if kept is not None and kept[1] is not None and kept[0].shape[0] == x.shape[0]:
-            curvature.last_outputs = None  # handed over: freed with the caller's references
-            return kept
-        f, phi = self._features(x)
-        return (f, phi) if phi is not None else (None, None)
-
-    def _outputs_and_gradient(self, x: Tensor, y: Tensor, grad: Tensor) -> Tensor:
-        """f (N, C), adding J^T r to ``grad`` (P,) in place: one forward pass with a
-        ``torch.func.vjp`` pullback, whose outputs give the residual r = d log p(y | f) / df
-        that is pulled back (thesis eq. 2.23). Each parameter tensor's gradient goes into its
-        slice of ``grad`` (no flattened P-sized copy); all are checked finite before any is
-        added."""
-        named = dict(self.model.named_parameters())
-        params = {n: named[n].detach() for n in self.subset.names}
-        frozen = {n: p.detach() for n, p in named.items() if n not in params}
-
-        def outputs(p: dict[str, Tensor]) -> Tensor:
-            return functional_call(self.model, {**frozen, **p}, (x,))
-
-        f, pullback = torch.func.vjp(outputs, params)
-        if not isinstance(f, Tensor) or f.ndim != 2 or f.shape[0] != x.shape[0]:
-            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
-            raise ValueError(f"model: expected outputs of shape (N, C), got {shape}")
-        f = f.detach()
-        (grads,) = pullback(self.likelihood.residual(f, y).to(f.dtype))
-        for name in self.subset.names:
-            if not all_finite(grads[name]):
-                raise ValueError(
-                    f"non-finite gradient of the log-likelihood in parameter {name!r}: the "
-                    "outputs or the network's Jacobian are NaN/inf for this batch (check x)"
-                )
-        if self.subset.indices is not None:  # a subnetwork: its entries of the tensors
-            grad += self.subset.flatten(grads)
-            return f
-        start = 0
-        for name, numel in zip(self.subset.names, self.subset.numels, strict=True):
-            grad[start : start + numel] += grads.pop(name).reshape(-1).to(grad.dtype)
-            start += numel
-        return f
-
-    def _features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """f(x; theta*) (N, C) and, on the last-layer feature path, the inputs phi (N, D) of
-        the output layer (None otherwise)."""
-        layer = self._output_layer if self._feature_path else None
-        # differentiable in x when x requires grad (input gradients, e.g. BO acquisitions)
-        with torch.set_grad_enabled(x.requires_grad):
-            f, phi = forward_with_features(self.model, x, layer)
-        if not x.requires_grad:
-            return f, None if phi is None else phi.detach()
-        return f, phi
-
-    def _linearised_outputs(
-        self, x: Tensor, shift: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """f_lin(x) = f(x; theta*) + J(x) shift (N, C), the offset J shift (None if no
-        shift) and the output layer's features phi (N, D) on the last-layer path (else None)."""
-        f, phi = self._features(x)
-        if shift is None:
-            return f, None, phi
-        if phi is not None and self._output_layer is not None:
-            offset = lastlayer_jvp(phi, shift.to(phi.dtype), f.shape[1], self._output_layer)
-            return f + offset, offset, phi
-        f, offset = jvp_with_outputs(self.model, x, self.subset, shift)
-        return f + offset, offset, None
+        """One pass over the data (:func:`gaussify.weight_space.laplace_fit.accumulate`)."""
+        accumulate(self, batches, shift, progress)
 
     @transactional
     @distributed.collective("Laplace.refine")
@@ -499,87 +347,17 @@ class Laplace:
         the GLM mode mu. For a Gaussian likelihood one step is exact.
         """
         self._require_fit()
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
-            raise ValueError(f"max_iter: expected an integer >= 0, got {max_iter!r}")
-        if tol is None:
-            tol = 10 * torch.finfo(self.mean.dtype).eps
-        elif not math.isfinite(tol) or tol < 0:
-            raise ValueError(f"tol: expected a finite number >= 0 or None, got {tol!r}")
-        batches = validated_batches(
-            data,
-            batch_size,
-            model=self.model,
-            task=self.task,
-            owner="Laplace.refine",
-            multi_pass=True,
+        refine_mean(
+            self, data, max_iter=max_iter, tol=tol, batch_size=batch_size, progress=progress
         )
-        shift = self.mean - self.theta_star
-        prior_vec = expand_prior(self.prior_precision, self.subset).to(self.mean.dtype)
-
-        def log_joint(step: Tensor) -> float:
-            total = torch.zeros((), dtype=self.mean.dtype)
-            for x, y in batches:
-                total += self.likelihood.log_prob(self._linearised_outputs(x, step)[0], y).sum()
-            theta = self.theta_star + step - self.prior_mean
-            value = distributed.all_reduce_sum(total) - 0.5 * (prior_vec * theta.square()).sum()
-            return float(value)
-
-        current = log_joint(shift)
-        previous: tuple[Tensor, float, tuple[Any, ...]] | None = None
-        for _ in range(max_iter):
-            theta = self.theta_star + shift
-            # gradient of the GLM log joint at theta (prior N(m0, P0^-1))
-            b = self._grad - prior_vec * (theta - self.prior_mean)
-            direction = self.posterior.solve(b)
-            decrement = 0.5 * float((b * direction).sum())  # predicted gain of a full step
-            if previous is not None and not decrement < previous[1]:
-                # the last unverifiable step did not bring the decrement down: undo it
-                shift, _, state = previous
-                self._restore_statistics(state)
-                break
-            step_size = float(direction.abs().max())
-            if decrement <= 0 or step_size <= tol * max(1.0, float(theta.abs().max())):
-                break
-            if decrement > tol * max(1.0, abs(current)):
-                step, value = 1.0, -math.inf
-                while step >= 1e-4:
-                    candidate = shift + step * direction
-                    value = log_joint(candidate)
-                    if value > current:
-                        break
-                    step /= 2
-                if not value > current:
-                    break  # no step improves h
-                shift, current, previous = candidate, value, None
-            else:
-                previous = (shift, decrement, self._statistics())
-                shift = shift + direction
-            self._accumulate(batches, shift, progress)
-        self.mean = self.theta_star + shift
         return self
 
     def _statistics(self) -> tuple[Any, ...]:
         """What :meth:`_accumulate` sets (to undo a refinement step without a data pass)."""
-        return (
-            self._curvature,
-            self._sigma_fit,
-            self.num_data,
-            self._log_lik,
-            self._grad,
-            self._sse,
-            self._posterior,
-        )
+        return statistics(self)
 
     def _restore_statistics(self, state: tuple[Any, ...]) -> None:
-        (
-            self._curvature,
-            self._sigma_fit,
-            self.num_data,
-            self._log_lik,
-            self._grad,
-            self._sse,
-            self._posterior,
-        ) = state
+        restore_statistics(self, state)
 
     def _require_fit(self) -> None:
         if self._curvature is None:
@@ -590,7 +368,8 @@ class Laplace:
         """Multiplier of the fitted G: 1/T, times sigma_fit^2 / sigma^2 for regression (the
         GGN of a Gaussian likelihood is proportional to 1/sigma^2)."""
         if self.task != "regression":
-            return torch.as_tensor(1.0 / self.temperature, dtype=self.mean.dtype)
+            mean = self.mean
+            return torch.as_tensor(1.0 / self.temperature, dtype=mean.dtype, device=mean.device)
         ratio = self._sigma_fit.square() / sigma_noise.square()
         if ratio.ndim > 0 and not torch.allclose(ratio, ratio.reshape(-1)[0].expand_as(ratio)):
             raise ValueError(
@@ -609,34 +388,6 @@ class Laplace:
         if self._posterior is None:
             self._posterior = self.posterior_at(self.prior_precision, self.sigma_noise)
         return self._posterior
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        """Dense posterior precision (P, P) (refused when P^2 exceeds the allocation limit,
-        :mod:`gaussify.memory_guard`)."""
-        self._check_dense("posterior_precision")
-        return self.posterior.precision_dense()
-
-    @property
-    def posterior_covariance(self) -> Tensor:
-        """Dense posterior covariance (P, P) (refused like :attr:`posterior_precision`)."""
-        self._check_dense("posterior_covariance")
-        return self.posterior.covariance_dense()
-
-    def _check_dense(self, what: str) -> None:
-        p = self.subset.num_params
-        check_allocation(
-            p * p,
-            self._dtype,
-            f"{what}: the dense P x P matrix (P = {p:,})",
-            "posterior_variance (the diagonal), sample(), predict(), or a smaller subset",
-            device=self.mean.device,
-        )
-
-    @property
-    def posterior_variance(self) -> Tensor:
-        """Marginal posterior variances (P,)."""
-        return self.posterior.covariance_diag()
 
     def sample(
         self,
@@ -676,13 +427,8 @@ class Laplace:
         would exceed the likelihood's supremum (so class labels always give log Z <= 0)."""
         self._require_fit()
         dtype = self.mean.dtype
-        prior = (
-            self.prior_precision
-            if prior_precision is None
-            else torch.as_tensor(prior_precision, dtype=dtype)
-        )
-        sigma = (
-            self.sigma_noise if sigma_noise is None else torch.as_tensor(sigma_noise, dtype=dtype)
+        prior, sigma = hyperparameters_or_current(
+            self, prior_precision, sigma_noise, dtype, self.mean.device
         )
         result = fitted_log_evidence(self, prior, sigma)
         value = result.value
@@ -705,6 +451,7 @@ class Laplace:
         grid: Tensor | Sequence[float] | None = None,
         optimizer: Optimizer = "lbfgs",
         fixed_steps: bool = False,
+        progress: bool = False,
     ) -> Laplace:
         """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
         by :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
@@ -715,21 +462,22 @@ class Laplace:
         the current value (laplace-torch's tuning). The outcome is kept in :attr:`tuning_result`;
         ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
         prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
-        per call); elsewhere each call differentiates the dense evidence with autograd."""
-        n_steps, lr, grid = check_tuning_arguments(method, n_steps, lr, grid, optimizer)
+        per call); elsewhere each call differentiates the dense evidence with autograd.
+        ``progress=True`` shows the stages on ``tqdm`` bars: the factorisation of the
+        curvature (e.g. a full GGN's ``eigvalsh``, or ``eigh`` when the non-MAP correction
+        needs eigenvectors) and the evidence evaluations."""
+        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))
         if data is not None and self._curvature is None:
             self.fit(data)
         self._require_fit()
-        if tune_noise is None:
-            tune_noise = self.task == "regression" and self.sigma_noise.ndim == 0
-        if tune_noise and self.task != "regression":
-            raise ValueError("tune_noise: only a regression likelihood has noise to tune")
+        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self.mean.dtype
         if method == "grid":
-            closed = self.spectrum("scalar", tune_noise=False)
-            result = grid_search(closed or self.log_marginal_likelihood, grid, dtype)
+            with decomposition_stage(self._curvature, self.correction, progress):
+                closed = self.spectrum("scalar", tune_noise=False)
+            result = grid_search(closed or self.log_marginal_likelihood, options.grid, dtype)
             self.prior_precision, self.tuning_result = result.prior_precision, result
             return self
         init = expand_prior(self.prior_precision, self.subset)
@@ -739,24 +487,23 @@ class Laplace:
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
-        spec = self.spectrum(granularity, tune_noise=tune_noise)
+        with decomposition_stage(self._curvature, self.correction, progress):
+            spec = self.spectrum(granularity, tune_noise=tune_noise)
 
         def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
             prior = prior.squeeze(0) if granularity == "scalar" else prior
             return self.log_marginal_likelihood(prior, sigma)
 
-        result = tune_hyperparameters(
+        result = maximise_evidence(
             evidence if spec is None else spec,  # closed form: O(P) per call
             start.detach().to(dtype),
             self.sigma_noise,
+            options,
             tune_noise=tune_noise,
-            n_steps=n_steps,
-            lr=lr,
-            optimizer=optimizer,
             prior_centre=prior_from_weights(self.mean - self.prior_mean),
-            fixed_steps=fixed_steps,
             noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
             caller="Laplace.optimize_prior",
+            progress=progress,
         )
         prior = result.prior_precision
         self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior
@@ -773,57 +520,17 @@ class Laplace:
 
     def _prior_groups(self, granularity: Granularity) -> Tensor:
         """(P,) index of the prior value each parameter takes at ``granularity``."""
-        p = self.subset.num_params
-        if granularity == "scalar":
-            return torch.zeros(p, dtype=torch.long)
-        if granularity == "layer":
-            counts = torch.tensor(list(self.subset.counts))
-            return torch.arange(len(counts)).repeat_interleave(counts)
-        return torch.arange(p)
+        return prior_groups(self, granularity)
 
     def spectrum(self, granularity: Granularity, *, tune_noise: bool = False) -> Spectrum | None:
         """The fitted evidence as a closed-form function of the prior at ``granularity`` (and,
-        with ``tune_noise``, of a scalar regression noise): a :class:`gaussify.spectral.Spectrum`,
-        or None where the structure's eigenbasis does not diagonalise that prior (full with a
-        per-tensor or per-parameter prior, kron with per-parameter or joint weight+bias blocks
-        under per-tensor priors, lowrank, user structures): those tune through autograd."""
+        with ``tune_noise``, of a scalar regression noise), or None where the structure's
+        eigenbasis does not diagonalise that prior
+        (:func:`gaussify.weight_space.laplace_evidence.fitted_spectrum`)."""
         self._require_fit()
-        method = getattr(self._curvature, "spectrum", None)
-        if not self._spectral_tuning or method is None:
-            return None
-        if tune_noise and self.sigma_noise.ndim != 0:
-            return None
-        theta = self.mean - self.prior_mean
-        groups = self._prior_groups(granularity)
-        out = method(groups, [self._grad, theta] if self.correction else [])
-        if out is None:
-            return None
-        eigenvalues, eig_groups, projections = out
-        sigma = self.sigma_noise
-        scale = float(self._scale(sigma))
-        log_lik, supremum = log_lik_and_supremum(self, sigma)
-        tunable = tune_noise and self.task == "regression"
-        sse = self._sse
-        return build_spectrum(
-            eigenvalues,
-            eig_groups,
-            theta,
-            projections,
-            scale_ref=scale,
-            sigma_ref=float(sigma.reshape(-1)[0]),
-            log_lik_ref=float(log_lik),
-            temperature=self.temperature,
-            sse=float(sse.sum()) if tunable and sse is not None else None,
-            count=self.num_data * (sse.numel() if sse is not None else 1),
-            param_group=groups,
-            supremum_ref=None if supremum is None else float(supremum),
-        )
+        return fitted_spectrum(self, granularity, tune_noise=tune_noise)
 
     # ------------------------------------------------------------------ prediction
-    def _f_star(self, x: Tensor) -> Tensor:
-        with torch.set_grad_enabled(x.requires_grad):
-            return self.model(x)
-
     @in_eval_mode
     def predict(
         self,
@@ -853,7 +560,7 @@ class Laplace:
         check_inputs(x, self.model)
         num_samples = check_count(num_samples, "num_samples")
         chunk_size = check_count(chunk_size, "chunk_size")
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        noise_var = noise_variance(self.task, self.sigma_noise)
         if joint:
             if method != "glm" or diagonal_output:
                 raise ValueError("joint: needs method='glm' and diagonal_output=False")
@@ -866,43 +573,9 @@ class Laplace:
             )
         if method != "glm":
             raise ValueError(f"method: expected 'glm' or 'nn', got {method!r}")
-        means, covs = [], []
-        shift = self.mean - self.theta_star
-        post = self.posterior
-        layer = self._output_layer
-        on_features = isinstance(post, LastLayerPrecision) and layer is not None
-        traced = isinstance(post, KronPosteriorPrecision) and not on_features
-        for xs in x.split(chunk_size):
-            if traced and not xs.requires_grad:
-                # KFAC over nn.Linear layers: rank-one Jacobian rows, no (N, C, P) Jacobian
-                fast = traced_predictive(post, self.model, xs, self.subset, shift, diagonal_output)
-                if fast is not None:
-                    means.append(fast[0])
-                    covs.append(fast[1])
-                    continue
-            f, phi = self._features(xs) if on_features else (self._f_star(xs), None)
-            if phi is not None and layer is not None:
-                # J_n = I_C ⊗ [phi_n, 1]^T: mean and covariance from the features alone.
-                means.append(f + lastlayer_jvp(phi, shift.to(phi.dtype), f.shape[1], layer))
-                if diagonal_output:
-                    covs.append(torch.diag_embed(post.functional_var_lastlayer(phi, layer)))
-                else:
-                    covs.append(post.functional_cov_lastlayer(phi, layer))
-                continue
-            jac = jacobians(self.model, xs, self.subset)
-            means.append(f + jac @ shift)
-            if diagonal_output:
-                covs.append(torch.diag_embed(post.functional_var(jac)))
-            else:
-                covs.append(post.functional_cov(jac))
-        return predictive_from_gaussian(
-            torch.cat(means),
-            torch.cat(covs),
-            self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+        mean, cov = glm_moments(self, x, chunk_size, diagonal_output)
+        return posterior_predictive(
+            mean, cov, self.task, self.sigma_noise, link, num_samples, generator
         )
 
     @in_eval_mode
@@ -924,15 +597,7 @@ class Laplace:
 
     def _nn_samples(self, x: Tensor, num_samples: int, generator: torch.Generator | None) -> Tensor:
         """Network outputs under sampled weights, (S, N, C)."""
-        thetas = self.subset.unflatten(
-            self.sample(num_samples, generator), base=self.subset.params(self.model)
-        )
-
-        def run(theta: dict[str, Tensor]) -> Tensor:
-            return functional_call(self.model, theta, (x,), strict=False)
-
-        with torch.no_grad():
-            return vmap(run)(thetas)
+        return nn_samples(self, x, num_samples, generator)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

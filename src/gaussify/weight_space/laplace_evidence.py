@@ -25,9 +25,10 @@ from gaussify.evidence import (
     log_likelihood_supremum,
     warn_dropped_correction,
 )
-from gaussify.weight_space.laplace_fields import LaplaceFields
+from gaussify.spectral import Spectrum, build_spectrum
+from gaussify.weight_space.laplace_fields import Granularity, LaplaceFields
 
-__all__ = ["fitted_log_evidence", "log_lik_and_supremum"]
+__all__ = ["fitted_log_evidence", "fitted_spectrum", "log_lik_and_supremum", "prior_groups"]
 
 
 def log_lik_and_supremum(la: LaplaceFields, sigma: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -52,7 +53,7 @@ def _eigenbasis(
         return None
     p, k = la.subset.num_params, prior.numel()
     per_tensor = k == len(la.subset.names) and k != p
-    groups = la._prior_groups("scalar" if k == 1 else ("layer" if per_tensor else "diag"))
+    groups = prior_groups(la, "scalar" if k == 1 else ("layer" if per_tensor else "diag"))
     return method(groups, [la._grad, theta] if la.correction else [])
 
 
@@ -84,3 +85,54 @@ def fitted_log_evidence(la: LaplaceFields, prior: Tensor, sigma: Tensor) -> Evid
     if result.dropped:
         warn_dropped_correction(result, la, la._curvature)
     return result
+
+
+def prior_groups(la: LaplaceFields, granularity: Granularity) -> Tensor:
+    """(P,) index of the prior value each parameter takes at ``granularity``."""
+    p = la.subset.num_params
+    if granularity == "scalar":
+        return torch.zeros(p, dtype=torch.long)
+    if granularity == "layer":
+        counts = torch.tensor(list(la.subset.counts))
+        return torch.arange(len(counts)).repeat_interleave(counts)
+    return torch.arange(p)
+
+
+def fitted_spectrum(
+    la: LaplaceFields, granularity: Granularity, *, tune_noise: bool = False
+) -> Spectrum | None:
+    """The fitted evidence as a closed-form function of the prior at ``granularity`` (and,
+    with ``tune_noise``, of a scalar regression noise): a :class:`gaussify.spectral.Spectrum`,
+    or None where the structure's eigenbasis does not diagonalise that prior (full with a
+    per-tensor or per-parameter prior, kron with per-parameter or joint weight+bias blocks
+    under per-tensor priors, lowrank, user structures): those tune through autograd."""
+    method = getattr(la._curvature, "spectrum", None)
+    if not la._spectral_tuning or method is None:
+        return None
+    if tune_noise and la.sigma_noise.ndim != 0:
+        return None
+    theta = la.mean - la.prior_mean
+    groups = prior_groups(la, granularity)
+    out = method(groups, [la._grad, theta] if la.correction else [])
+    if out is None:
+        return None
+    eigenvalues, eig_groups, projections = out
+    sigma = la.sigma_noise
+    scale = float(la._scale(sigma))
+    log_lik, supremum = log_lik_and_supremum(la, sigma)
+    tunable = tune_noise and la.task == "regression"
+    sse = la._sse
+    return build_spectrum(
+        eigenvalues,
+        eig_groups,
+        theta,
+        projections,
+        scale_ref=scale,
+        sigma_ref=float(sigma.reshape(-1)[0]),
+        log_lik_ref=float(log_lik),
+        temperature=la.temperature,
+        sse=float(sse.sum()) if tunable and sse is not None else None,
+        count=la.num_data * (sse.numel() if sse is not None else 1),
+        param_group=groups,
+        supremum_ref=None if supremum is None else float(supremum),
+    )

@@ -1,6 +1,8 @@
 """The fields of a fitted :class:`~gaussify.weight_space.laplace.Laplace` that its helper
 modules read and write.
 
+:mod:`~gaussify.weight_space.laplace_fit` (the data passes and the GLM refinement),
+:mod:`~gaussify.weight_space.laplace_predict` (the predictive routes),
 :mod:`~gaussify.weight_space.laplace_evidence` (the log evidence) and
 :mod:`~gaussify.weight_space.laplace_state` (``state_dict`` / ``load_state_dict``) take the
 posterior as a :class:`LaplaceFields`, so they import nothing from ``laplace.py`` and the
@@ -34,6 +36,10 @@ class LaplaceFields(Protocol):
     subset: ParameterSubset
     curvature_options: dict[str, Any]
     correction: bool
+    generator: Any
+    _output_layer: Any
+    _feature_path: bool
+    _spectral_tuning: bool
     num_data: int
     mean: Tensor
     theta_star: Tensor
@@ -42,6 +48,7 @@ class LaplaceFields(Protocol):
     sigma_noise: Tensor
     temperature: float
     _dtype: Any
+    _device: Any
     _curvature: Any
     _posterior: Any
     _sigma_fit: Tensor
@@ -55,6 +62,19 @@ class LaplaceFields(Protocol):
 
     def _prior_groups(self, granularity: Granularity) -> Tensor:
         """Prior group of each weight at ``granularity``."""
+        ...
+
+    @property
+    def posterior(self) -> Any:
+        """The posterior precision A at the current hyperparameters (cached)."""
+        ...
+
+    def sample(self, num_samples: int = 100, generator: Any = None) -> Tensor:
+        """Weight samples (S, P) from q(theta)."""
+        ...
+
+    def _accumulate(self, batches: Any, shift: Tensor | None, progress: bool = False) -> None:
+        """One pass over the data (the fit's sums)."""
         ...
 
     def posterior_at(self, prior_precision: Tensor, sigma_noise: Tensor) -> Any:

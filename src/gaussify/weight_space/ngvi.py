@@ -41,19 +41,21 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import jacobians, jvp, jvp_with_outputs, vjp
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
+from gaussify.fastpath import functional_call
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
-from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
+from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import (
     LinkName,
     Predictive,
-    predictive_from_gaussian,
+    noise_variance,
+    posterior_predictive,
     predictive_from_samples,
 )
 from gaussify.state import (
@@ -71,6 +73,7 @@ from gaussify.state import (
     validate_state,
 )
 from gaussify.validation import check_count, check_data, check_inputs, check_targets
+from gaussify.weight_space.dense_views import DenseViews
 from gaussify.weight_space.ngvi_math import (
     STRUCTURES,
     Structure,
@@ -107,7 +110,7 @@ class NGVIHistory:
 # --------------------------------------------------------------------------- the engine
 
 
-class NaturalGradientVI:
+class NaturalGradientVI(DenseViews, DeclaredCapabilities):
     """Natural-gradient Gaussian VI with the GGN (thesis eq. 4.1-4.3); use a variant class.
 
     ``likelihood``: "classification", "regression", "binary" or a likelihood object;
@@ -135,6 +138,15 @@ class NaturalGradientVI:
     sampling: ClassVar[bool] = True
     #: the predictive that matches the inference (thesis Sec. 4.6)
     default_method: ClassVar[str] = "glm"
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "log_marginal_likelihood": "natural-gradient VI maximises the ELBO, a lower bound on "
+        "log p(D), and has no evidence estimate of its own; use elbo(data), or Laplace for "
+        "the Laplace evidence at the same weights",
+        "optimize_prior": "q's precision is kept as the GGN sum plus the prior (eq. 4.3), so "
+        "the prior cannot change without refitting; tune it with Laplace.optimize_prior or "
+        "marglik_training before fit (as the NGVI experiments do)",
+    }
 
     def __init__(
         self,
@@ -189,9 +201,11 @@ class NaturalGradientVI:
         self._named = dict(model.named_parameters())
         self.mean = self.subset.flatten(self.subset.params(model)).clone()
         dtype = self.mean.dtype
-        self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        device = self.mean.device
+        prior = torch.as_tensor(prior_precision, dtype=dtype, device=device)
+        self.prior_precision = check_prior(prior).clone()
         self._prior_vec = expand_prior(self.prior_precision, self.subset).to(dtype)
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, device).clone()
         # theta_lin: the linearisation point of the GLM predictive (theta* for GLM-VI).
         self.theta_lin: Tensor | None = self.mean.clone() if self.linearization == "map" else None
         holder_options = dict(curvature_options)
@@ -224,28 +238,6 @@ class NaturalGradientVI:
             )
             self._posterior = self._holder.posterior(self.prior_precision, 1.0)
         return self._posterior
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        """Dense Lambda_t (P, P)."""
-        self._check_dense("posterior_precision")
-        return self.posterior.precision_dense()
-
-    @property
-    def posterior_covariance(self) -> Tensor:
-        """Dense Sigma_t = Lambda_t^-1 (P, P)."""
-        self._check_dense("posterior_covariance")
-        return self.posterior.covariance_dense()
-
-    def _check_dense(self, what: str) -> None:
-        p = self.subset.num_params
-        check_allocation(
-            p * p,
-            self.mean.dtype,
-            f"{what}: the dense P x P matrix (P = {p:,})",
-            "sample(), predict(), or a smaller subset",
-            device=self.mean.device,
-        )
 
     def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """Weight samples from q_t, (S, P) in the subset's flattening order."""
@@ -343,7 +335,7 @@ class NaturalGradientVI:
             jv = jvp(self.model, x, self.subset, v).detach()
             hess = self.likelihood.hessian(outputs.reshape(-1, outputs.shape[-1]))
             return output_quadratic(hess.reshape(*outputs.shape, -1), jv)
-        total = torch.zeros((), dtype=v.dtype)
+        total = torch.zeros((), dtype=v.dtype, device=v.device)
         try:
             for theta in thetas:
                 self._write(theta)
@@ -494,7 +486,7 @@ class NaturalGradientVI:
         post = self.posterior
         thetas = self.mean + post.sample(num_samples, generator=generator)
         self.model.eval()
-        total = torch.zeros((), dtype=self.mean.dtype)
+        total = torch.zeros((), dtype=self.mean.dtype, device=self.mean.device)
         for x, y in as_batches(data, batch_size):
             if method == "nn":
                 f = self._nn_outputs(x, thetas)
@@ -525,7 +517,7 @@ class NaturalGradientVI:
         check_inputs(x, self.model)
         num_samples = check_count(num_samples, "num_samples")
         chunk_size = check_count(chunk_size, "chunk_size")
-        noise_var = self.sigma_noise.square().reshape(-1) if self.task == "regression" else None
+        noise_var = noise_variance(self.task, self.sigma_noise)
         self.model.eval()
         if method == "nn":
             thetas = self.sample(num_samples, generator)
@@ -538,14 +530,9 @@ class NaturalGradientVI:
             with torch.no_grad():
                 means.append(self.model(xs) + jac @ shift)
             covs.append(self.posterior.functional_cov(jac))
-        return predictive_from_gaussian(
-            torch.cat(means),
-            torch.cat(covs),
-            self.task,
-            link=link,
-            noise_var=noise_var,
-            num_samples=num_samples,
-            generator=generator,
+        mean, cov = torch.cat(means), torch.cat(covs)
+        return posterior_predictive(
+            mean, cov, self.task, self.sigma_noise, link, num_samples, generator
         )
 
     # ------------------------------------------------------------------ state

@@ -190,17 +190,10 @@ class FunctionalLaplace:
         return mean, cov.diagonal(dim1=-2, dim2=-1) if diagonal else cov
 
     def __call__(
-        self,
-        x: Tensor,
-        pred_type: str = "gp",
-        joint: bool = False,
-        link_approx: str = "probit",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-        fitting: bool = False,
-        **model_kwargs: Any,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, x: Tensor, pred_type: str = "gp", joint: bool = False, link_approx: str = "probit",
+        n_samples: int = 100, diagonal_output: bool = False,
+        generator: torch.Generator | None = None, fitting: bool = False, **model_kwargs: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """Classification: probabilities (N, C); regression: latent mean (N, C) and
         covariance (N, C, C) (variances with ``diagonal_output``), noise not added."""
         if option(pred_type, PredType, "pred_type") == "nn":
@@ -214,24 +207,16 @@ class FunctionalLaplace:
         return apply_link(mean, cov, link, n_samples, generator)
 
     def functional_samples(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
+        self, x: Tensor, pred_type: str = "glm", n_samples: int = 100,
+        diagonal_output: bool = False, generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         mean, cov = self._moments(x, diagonal_output)
         return normal_draws(mean, cov, n_samples, generator)
 
     def predictive_samples(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
+        self, x: Tensor, pred_type: str = "glm", n_samples: int = 100,
+        diagonal_output: bool = False, generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         fs = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
         return fs if self.likelihood == "regression" else torch.softmax(fs, dim=-1)
 

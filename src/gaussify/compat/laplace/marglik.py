@@ -39,30 +39,16 @@ def _expand(prior: Tensor, params: list[Tensor]) -> Tensor:
 
 
 def marglik_training(
-    model: nn.Module,
-    train_loader: Any,
-    likelihood: str = "classification",
-    hessian_structure: str = "kron",
-    backend: type | None = None,
+    model: nn.Module, train_loader: Any, likelihood: str = "classification",
+    hessian_structure: str = "kron", backend: type | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.Adam,
-    optimizer_kwargs: dict[str, Any] | None = None,
-    scheduler_cls: type | None = None,
-    scheduler_kwargs: dict[str, Any] | None = None,
-    n_epochs: int = 300,
-    lr_hyp: float = 1e-1,
-    prior_structure: str = "layerwise",
-    n_epochs_burnin: int = 0,
-    n_hypersteps: int = 10,
-    marglik_frequency: int = 1,
-    prior_prec_init: float = 1.0,
-    sigma_noise_init: float = 1.0,
-    temperature: float = 1.0,
-    fix_sigma_noise: bool = False,
-    progress_bar: bool = False,
-    enable_backprop: bool = False,
-    dict_key_x: str = "input_ids",
-    dict_key_y: str = "labels",
-) -> tuple[Any, nn.Module, list[float], list[float]]:
+    optimizer_kwargs: dict[str, Any] | None = None, scheduler_cls: type | None = None,
+    scheduler_kwargs: dict[str, Any] | None = None, n_epochs: int = 300, lr_hyp: float = 1e-1,
+    prior_structure: str = "layerwise", n_epochs_burnin: int = 0, n_hypersteps: int = 10,
+    marglik_frequency: int = 1, prior_prec_init: float = 1.0, sigma_noise_init: float = 1.0,
+    temperature: float = 1.0, fix_sigma_noise: bool = False, progress_bar: bool = False,
+    enable_backprop: bool = False, dict_key_x: str = "input_ids", dict_key_y: str = "labels",
+) -> tuple[Any, nn.Module, list[float], list[float]]:  # fmt: skip
     """Train ``model`` and its prior precision (and noise) by the Laplace evidence; returns
     the Laplace at the best epoch, the model restored there, the negative log evidences and
     the epoch losses (module docstring)."""

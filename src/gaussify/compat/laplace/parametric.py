@@ -425,17 +425,10 @@ class ParametricLaplace:
         return pred.f_samples
 
     def __call__(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        joint: bool = False,
-        link_approx: str = "probit",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-        fitting: bool = False,
-        **model_kwargs: Any,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        self, x: Tensor, pred_type: str = "glm", joint: bool = False, link_approx: str = "probit",
+        n_samples: int = 100, diagonal_output: bool = False,
+        generator: torch.Generator | None = None, fitting: bool = False, **model_kwargs: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
         """Classification: class probabilities (N, C). Regression: the latent mean (N, C) and
         covariance (N, C, C) (variances (N, C) with ``diagonal_output``; with ``joint`` the
         flattened mean (N C,) and covariance (N C, N C)); the observation noise is not added."""
@@ -463,13 +456,9 @@ class ParametricLaplace:
         return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
 
     def functional_samples(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
+        self, x: Tensor, pred_type: str = "glm", n_samples: int = 100,
+        diagonal_output: bool = False, generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Latent function draws (S, N, C)."""
         if option(pred_type, PredType, "pred_type") == "glm":
             mean, var = self._glm(x, False, diagonal_output)
@@ -477,13 +466,9 @@ class ParametricLaplace:
         return self._nn_functions(x, n_samples, generator)
 
     def predictive_samples(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
+        self, x: Tensor, pred_type: str = "glm", n_samples: int = 100,
+        diagonal_output: bool = False, generator: torch.Generator | None = None,
+    ) -> Tensor:  # fmt: skip
         """Predictive draws (S, N, C): softmax of the function draws for classification."""
         fs = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
         return fs if self.likelihood == "regression" else torch.softmax(fs, dim=-1)

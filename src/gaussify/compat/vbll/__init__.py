@@ -15,25 +15,6 @@ draws (tests/test_compat_vbll.py). Modules mirror vbll's: :mod:`.layers` (``regr
 """
 
 from gaussify.compat.vbll import layers
-from gaussify.compat.vbll.layers import (
-    DiscClassification,
-    GenClassification,
-    HetClassification,
-    HetRegression,
-    Regression,
-    VBLLReturn,
-    tDiscClassification,
-    tRegression,
-)
+from gaussify.compat.vbll.layers import *  # noqa: F403 (vbll's top-level names are its layers)
 
-__all__ = [
-    "DiscClassification",
-    "GenClassification",
-    "HetClassification",
-    "HetRegression",
-    "Regression",
-    "VBLLReturn",
-    "layers",
-    "tDiscClassification",
-    "tRegression",
-]
+__all__ = [*layers.__all__, "layers"]

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, distributions, nn
 
-from gaussify.compat.vbll.layers.regression import VBLLReturn, _rows, _rows_parameters
+from gaussify.compat.vbll.layers.regression import (
+    VBLLReturn,
+    _GammaNoise,
+    _het_means,
+    _HetRows,
+    _rows,
+    _weight_rows,
+    wishart_term,
+)
 from gaussify.compat.vbll.rows import (
     Normal,
     Rows,
@@ -45,14 +54,27 @@ def _check_bound(value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _kn_alpha(module: nn.Module, softmax_bound: str, kn_alpha: float | None) -> None:
+    """The learnable ``alpha`` of the reduced Knowles-Minka bound (0.1 unless given)."""
+    if softmax_bound == "reduced_kn":
+        module.alpha = nn.Parameter(torch.ones(1) * (0.1 if kn_alpha is None else kn_alpha))
+
+
 class _Categorical(nn.Module):
     """Shared forward of the discriminative layers: Categorical predictive, losses, OOD score
     (the maximum predictive probability)."""
 
     return_ood: bool
 
-    def predictive(self, x: Tensor, *args: bool) -> Tensor:
+    def logit_predictive(self, x: Tensor, *args: bool) -> Any:
         raise NotImplementedError
+
+    def forward(self, x: Tensor) -> VBLLReturn:
+        return self._output(x)
+
+    def predictive(self, x: Tensor, n_samples: int = 20) -> Tensor:
+        """vbll's Monte-Carlo predictive: softmax averaged over ``n_samples`` logit draws."""
+        return _mc_probs(self.logit_predictive(x), n_samples)
 
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         raise NotImplementedError
@@ -80,18 +102,11 @@ class DiscClassification(_Categorical):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "jensen",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "jensen", return_ood: bool = False,
+        prior_scale: float = 1.0, wishart_scale: float = 1.0, dof: float = 1.0,
         cov_rank: int | None = 3,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(
             parameterization, ("dense", "diagonal", "lowrank")
@@ -103,12 +118,9 @@ class DiscClassification(_Categorical):
         self.prior_scale = prior_scale * 2.0 / in_features
         self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
         self.noise_logdiag = nn.Parameter(torch.randn(out_features) - 1)
-        self.W_mean = nn.Parameter(
-            torch.randn(out_features, in_features) * math.sqrt(2.0 / in_features)
-        )
-        logdiag = 1e-3 * torch.randn(out_features, in_features) - math.log(in_features)
-        shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, 1e-3 / in_features, cov_rank)
+        shape, std = (out_features, in_features), math.sqrt(2.0 / in_features)
+        logdiag = (1e-3, -math.log(in_features))
+        _weight_rows(self, "W", parameterization, shape, std, logdiag, 1e-3 / in_features, cov_rank)
         self.return_ood = return_ood
 
     def W(self) -> Rows:
@@ -126,18 +138,10 @@ class DiscClassification(_Categorical):
 
     softmax_bound = jensen_bound
 
-    def forward(self, x: Tensor) -> VBLLReturn:
-        return self._output(x)
-
-    def predictive(self, x: Tensor, n_samples: int = 20) -> Tensor:  # type: ignore[override]
-        return _mc_probs(self.logit_predictive(x), n_samples)
-
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise()
-            wishart = (
-                self.dof * noise.logdet_precision - 0.5 * self.wishart_scale * noise.trace_precision
-            )
+            wishart = wishart_term(self, noise)
             reg = wishart - gaussian_kl(self.W(), self.prior_scale)
             return -(torch.mean(self.softmax_bound(x, y)) + self.regularization_weight * reg)
 
@@ -156,57 +160,33 @@ def _semi_mc_bound(z: Normal, y: Tensor) -> Tensor:
     return _picked(z.mean, y) - torch.logsumexp(z.mean + 0.5 * z.var, dim=-1)
 
 
-class tDiscClassification(_Categorical):
+class tDiscClassification(_GammaNoise, _Categorical):
     """Student-t VBLL classification (vbll ``tDiscClassification``): a Gamma posterior on each
     logit's noise precision, prior Gamma(dof, 1 / wishart_scale); W prior variance
     2 prior_scale / (E[sigma^2] in_features) with E[sigma^2] = rate / (dof - 1)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "reduced_kn",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 2.0,
-        cov_rank: int | None = None,
-        kn_alpha: float | None = None,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "reduced_kn",
+        return_ood: bool = False, prior_scale: float = 1.0, wishart_scale: float = 1.0,
+        dof: float = 2.0, cov_rank: int | None = None, kn_alpha: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.bound = _check_bound(softmax_bound, ("semimontecarlo", "reduced_kn"))
-        self.wishart_scale = wishart_scale
         self.regularization_weight = regularization_weight
-        self.prior_dof = dof
-        self.prior_rate = 1.0 / wishart_scale
+        self._init_gamma_noise(out_features, dof, wishart_scale)
         exp_cov = self.prior_rate / (dof - 1)
         self.prior_scale = prior_scale * 2.0 / (exp_cov * in_features)
-        self.noise_log_dof = nn.Parameter(torch.ones(out_features) * math.log(dof))
-        self.noise_log_rate = nn.Parameter(torch.ones(out_features) * math.log(self.prior_rate))
-        self.W_mean = nn.Parameter(
-            torch.randn(out_features, in_features) * math.sqrt(2.0 / in_features)
-        )
-        logdiag = 1e-3 * torch.randn(out_features, in_features) - 0.5 * math.log(in_features)
-        shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, 1e-3, None)
-        if softmax_bound == "reduced_kn":
-            self.alpha = nn.Parameter(torch.ones(1) * (0.1 if kn_alpha is None else kn_alpha))
+        shape, std = (out_features, in_features), math.sqrt(2.0 / in_features)
+        logdiag = (1e-3, -0.5 * math.log(in_features))
+        _weight_rows(self, "W", parameterization, shape, std, logdiag, 1e-3, None)
+        _kn_alpha(self, softmax_bound, kn_alpha)
         self.return_ood = return_ood
 
     @property
     def W(self) -> Rows:
         return _rows(self, "W", self.parameterization)
-
-    @property
-    def noise(self) -> distributions.Gamma:
-        return distributions.Gamma(self.noise_log_dof.exp(), self.noise_log_rate.exp())
-
-    @property
-    def noise_prior(self) -> distributions.Gamma:
-        return distributions.Gamma(self.prior_dof, self.prior_rate)
 
     def softmax_bound(self, x: Tensor, y: Tensor) -> Tensor:
         if self.bound == "semimontecarlo":
@@ -220,12 +200,6 @@ class tDiscClassification(_Categorical):
         wx = self.W @ x
         return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
 
-    def forward(self, x: Tensor) -> VBLLReturn:
-        return self._output(x)
-
-    def predictive(self, x: Tensor, n_samples: int = 20) -> Tensor:  # type: ignore[override]
-        return _mc_probs(self.logit_predictive(x), n_samples)
-
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise
@@ -237,34 +211,22 @@ class tDiscClassification(_Categorical):
         return loss
 
 
-class HetClassification(_Categorical):
+class HetClassification(_HetRows, _Categorical):
     """Heteroscedastic VBLL classification (vbll ``HetClassification``): log sigma^2(x) = M x
     with q(M) like q(W); prior variances prior_scale / in_features and
     noise_prior_scale / in_features."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "reduced_kn",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        cov_rank: int | None = None,
-        kn_alpha: float | None = None,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "reduced_kn",
+        return_ood: bool = False, prior_scale: float = 1.0, noise_prior_scale: float = 0.01,
+        cov_rank: int | None = None, kn_alpha: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.bound = _check_bound(softmax_bound, ("semimontecarlo", "reduced_kn"))
         self.regularization_weight = regularization_weight
-        self.prior_scale = prior_scale / in_features
-        self.noise_prior_scale = noise_prior_scale / in_features
-        self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
-        std = math.sqrt(2 / in_features)
-        self.W_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
-        self.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+        _het_means(self, in_features, out_features, prior_scale, noise_prior_scale)
         shape = (out_features, in_features)
         self.W_logdiag = nn.Parameter(1e-3 * torch.randn(*shape) - 0.5 * math.log(in_features))
         self.M_logdiag = nn.Parameter(
@@ -276,17 +238,8 @@ class HetClassification(_Categorical):
             self.M_offdiag = nn.Parameter(
                 1e-3 * torch.randn(*square) / in_features + 0.5 * math.log(noise_prior_scale)
             )
-        if softmax_bound == "reduced_kn":
-            self.alpha = nn.Parameter(torch.ones(1) * (0.1 if kn_alpha is None else kn_alpha))
+        _kn_alpha(self, softmax_bound, kn_alpha)
         self.return_ood = return_ood
-
-    @property
-    def W(self) -> Rows:
-        return _rows(self, "W", self.parameterization)
-
-    @property
-    def M(self) -> Rows:
-        return _rows(self, "M", self.parameterization)
 
     def softmax_bound(self, x: Tensor, y: Tensor) -> Tensor:
         if self.bound == "semimontecarlo":
@@ -298,12 +251,7 @@ class HetClassification(_Categorical):
         return _kn_bound(self.W @ x, y, self.alpha, exp_cov, exp_prec)
 
     def logit_predictive(self, x: Tensor, consistent_variance: bool) -> Normal:
-        if consistent_variance:
-            sigma2 = (x @ self.M.rsample().T).exp()
-        else:
-            sigma2 = (self.M @ x).rsample().exp()
-        wx = self.W @ x
-        return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
+        return self._noisy_outputs(x, consistent_variance)
 
     def forward(self, x: Tensor, consistent_variance: bool = False) -> VBLLReturn:
         return self._output(x, consistent_variance)
@@ -333,17 +281,10 @@ class GenClassification(_Categorical):
     predictive softmax of the logits (closed form)."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        softmax_bound: str = "jensen",
-        return_ood: bool = False,
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1.0,
-        dof: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", softmax_bound: str = "jensen", return_ood: bool = False,
+        prior_scale: float = 1.0, wishart_scale: float = 1.0, dof: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         if parameterization != "diagonal":
             raise ValueError(
@@ -379,18 +320,13 @@ class GenClassification(_Categorical):
 
     softmax_bound = jensen_bound
 
-    def forward(self, x: Tensor) -> VBLLReturn:
-        return self._output(x)
-
     def predictive(self, x: Tensor) -> Tensor:  # type: ignore[override]
         return torch.clip(F.softmax(self.logit_predictive(x), dim=-1), min=0.0, max=1.0)
 
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:
             noise = self.noise()
-            wishart = (
-                self.dof * noise.logdet_precision - 0.5 * self.wishart_scale * noise.trace_precision
-            )
+            wishart = wishart_term(self, noise)
             rows = Rows("diagonal", self.mu_mean, self.mu_logdiag, None)
             reg = wishart - gaussian_kl(rows, self.prior_scale)
             return -(torch.mean(self.softmax_bound(x, y)) + self.regularization_weight * reg)

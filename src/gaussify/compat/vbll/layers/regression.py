@@ -70,6 +70,88 @@ def _rows(module: nn.Module, prefix: str, kind: str) -> Rows:
     )
 
 
+def _weight_rows(
+    module: nn.Module,
+    prefix: str,
+    kind: str,
+    shape: tuple[int, int],
+    std: float,
+    logdiag: tuple[float, float],
+    offdiag_scale: float,
+    cov_rank: int | None,
+) -> None:
+    """vbll's initialisation of a Gaussian layer, in vbll's order of random draws:
+    ``{prefix}_mean = std * randn(shape)``, then ``{prefix}_logdiag = logdiag[0] * randn(shape)
+    + logdiag[1]``, then the off-diagonal part (:func:`_rows_parameters`)."""
+    setattr(module, f"{prefix}_mean", nn.Parameter(torch.randn(*shape) * std))
+    diag = logdiag[0] * torch.randn(*shape) + logdiag[1]
+    _rows_parameters(module, prefix, kind, shape, diag, offdiag_scale, cov_rank)
+
+
+def _het_means(
+    module: nn.Module, in_features: int, out_features: int, prior_scale: float, noise_scale: float
+) -> None:
+    """vbll's heteroscedastic layers: prior variances ``prior_scale / in`` (W) and
+    ``noise_scale / in`` (M), the fixed zero noise mean, then ``W_mean`` and ``M_mean`` drawn
+    ``N(0, 2 / in)`` in that order."""
+    module.prior_scale = prior_scale / in_features
+    module.noise_prior_scale = noise_scale / in_features
+    module.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
+    std = math.sqrt(2.0 / in_features)
+    module.W_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+    module.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+
+
+class _HetRows(nn.Module):
+    """q(W) and q(M) (the log-noise layer) of vbll's heteroscedastic layers."""
+
+    parameterization: str
+
+    @property
+    def W(self) -> Rows:
+        return _rows(self, "W", self.parameterization)
+
+    @property
+    def M(self) -> Rows:
+        return _rows(self, "M", self.parameterization)
+
+    def _noisy_outputs(self, x: Tensor, consistent_variance: bool) -> Normal:
+        """``N(W x mean, (x^T S x + 1) sigma^2)`` with one draw of the log noise ``M x`` (of
+        ``M`` itself with ``consistent_variance``), in vbll's order of draws."""
+        if consistent_variance:
+            sigma2 = (x @ self.M.rsample().T).exp()
+        else:
+            sigma2 = (self.M @ x).rsample().exp()
+        wx = self.W @ x
+        return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
+
+
+def wishart_term(module: Any, noise: Normal) -> Tensor:
+    """vbll's Wishart-style noise penalty ``nu log det Sigma^-1 - wishart_scale / 2 tr
+    Sigma^-1`` with ``nu = module.dof``."""
+    return module.dof * noise.logdet_precision - 0.5 * module.wishart_scale * noise.trace_precision
+
+
+class _GammaNoise(nn.Module):
+    """vbll's Student-t noise: ``q(tau_k) = Gamma(exp(noise_log_dof), exp(noise_log_rate))``
+    against the prior ``Gamma(dof, 1 / wishart_scale)``."""
+
+    def _init_gamma_noise(self, out_features: int, dof: float, wishart_scale: float) -> None:
+        self.wishart_scale = wishart_scale
+        self.prior_dof = dof
+        self.prior_rate = 1.0 / wishart_scale
+        self.noise_log_dof = nn.Parameter(torch.ones(out_features) * math.log(dof))
+        self.noise_log_rate = nn.Parameter(torch.ones(out_features) * math.log(self.prior_rate))
+
+    @property
+    def noise(self) -> distributions.Gamma:
+        return distributions.Gamma(self.noise_log_dof.exp(), self.noise_log_rate.exp())
+
+    @property
+    def noise_prior(self) -> distributions.Gamma:
+        return distributions.Gamma(self.prior_dof, self.prior_rate)
+
+
 class Regression(nn.Module):
     """Variational Bayesian last-layer regression (vbll ``Regression``).
 
@@ -82,16 +164,10 @@ class Regression(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        prior_scale: float = 1.0,
-        wishart_scale: float = 1e-2,
-        cov_rank: int | None = None,
-        dof: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", prior_scale: float = 1.0, wishart_scale: float = 1e-2,
+        cov_rank: int | None = None, dof: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization)
         self.wishart_scale = wishart_scale
@@ -100,12 +176,11 @@ class Regression(nn.Module):
         self.prior_scale = prior_scale / in_features
         self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
         self.noise_logdiag = nn.Parameter(torch.randn(out_features) * math.log(wishart_scale))
-        self.W_mean = nn.Parameter(torch.randn(out_features, in_features))
         sign = 1.0 if parameterization == "dense_precision" else -1.0
-        logdiag = torch.randn(out_features, in_features) + sign * 0.5 * math.log(in_features)
         scale = 0.0 if parameterization == "dense_precision" else 1.0 / in_features
+        shift = sign * 0.5 * math.log(in_features)
         shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, scale, cov_rank)
+        _weight_rows(self, "W", parameterization, shape, 1.0, (1.0, shift), scale, cov_rank)
 
     def W(self) -> Rows:
         return _rows(self, "W", self.parameterization)
@@ -124,11 +199,8 @@ class Regression(nn.Module):
             w, noise = self.W(), self.noise()
             log_lik = distributions.Normal(x @ w.mean.T, noise.scale).log_prob(y)
             trace = 0.5 * w.quad(x) * noise.trace_precision
-            wishart = (
-                self.dof * noise.logdet_precision - 0.5 * self.wishart_scale * noise.trace_precision
-            )
             elbo = torch.mean(log_lik - trace) + self.regularization_weight * (
-                wishart - gaussian_kl(w, self.prior_scale)
+                wishart_term(self, noise) - gaussian_kl(w, self.prior_scale)
             )
             return -elbo
 
@@ -138,7 +210,7 @@ class Regression(nn.Module):
         return lambda y: -self.predictive(x).log_prob(y).sum(-1).mean(0)
 
 
-class tRegression(nn.Module):
+class tRegression(_GammaNoise):
     """Student-t VBLL regression (vbll ``tRegression``): a Gamma posterior q(tau_k) =
     Gamma(exp(noise_log_dof), exp(noise_log_rate)) on each output's noise precision, prior
     Gamma(dof, 1 / wishart_scale); prior W ~ N(0, s I), s = 2 prior_scale / in_features.
@@ -149,46 +221,25 @@ class tRegression(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        prior_scale: float = 100.0,
-        wishart_scale: float = 100.0,
-        cov_rank: int | None = None,
-        dof: float = 1.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", prior_scale: float = 100.0, wishart_scale: float = 100.0,
+        cov_rank: int | None = None, dof: float = 1.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(
             parameterization, ("dense", "diagonal", "lowrank")
         )
-        self.wishart_scale = wishart_scale
         self.regularization_weight = regularization_weight
-        self.prior_dof = dof
-        self.prior_rate = 1.0 / wishart_scale
+        self._init_gamma_noise(out_features, dof, wishart_scale)
         self.prior_scale = prior_scale * 2.0 / in_features
-        self.noise_log_dof = nn.Parameter(torch.ones(out_features) * math.log(dof))
-        self.noise_log_rate = nn.Parameter(torch.ones(out_features) * math.log(self.prior_rate))
-        self.W_mean = nn.Parameter(
-            torch.randn(out_features, in_features) * math.sqrt(2.0 / in_features)
-        )
-        logdiag = 1e-3 * torch.randn(out_features, in_features) - 0.5 * math.log(in_features)
         scale = 1e-3 / in_features if parameterization == "dense" else 1e-3
-        shape = (out_features, in_features)
-        _rows_parameters(self, "W", parameterization, shape, logdiag, scale, cov_rank)
+        shape, std = (out_features, in_features), math.sqrt(2.0 / in_features)
+        logdiag = (1e-3, -0.5 * math.log(in_features))
+        _weight_rows(self, "W", parameterization, shape, std, logdiag, scale, cov_rank)
 
     @property
     def W(self) -> Rows:
         return _rows(self, "W", self.parameterization)
-
-    @property
-    def noise(self) -> distributions.Gamma:
-        return distributions.Gamma(self.noise_log_dof.exp(), self.noise_log_rate.exp())
-
-    @property
-    def noise_prior(self) -> distributions.Gamma:
-        return distributions.Gamma(self.prior_dof, self.prior_rate)
 
     def forward(self, x: Tensor) -> VBLLReturn:
         return VBLLReturn(self.predictive(x), self._train_loss(x), self._val_loss(x))
@@ -216,7 +267,7 @@ class tRegression(nn.Module):
         return lambda y: -self.predictive(x).log_prob(y).sum(-1).mean(0)
 
 
-class HetRegression(nn.Module):
+class HetRegression(_HetRows):
     """Heteroscedastic VBLL regression (vbll ``HetRegression``): log sigma^2(x) = M x with a
     second Gaussian q(M) (same parameterization, "dense" or "diagonal"); prior variances
     prior_scale / in_features (W) and noise_prior_scale / in_features (M). The forward's
@@ -226,25 +277,15 @@ class HetRegression(nn.Module):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        regularization_weight: float,
-        parameterization: str = "dense",
-        prior_scale: float = 1.0,
-        noise_prior_scale: float = 0.01,
-        grad_correction_scale: float = 0.0,
-    ) -> None:
+        self, in_features: int, out_features: int, regularization_weight: float,
+        parameterization: str = "dense", prior_scale: float = 1.0,
+        noise_prior_scale: float = 0.01, grad_correction_scale: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.parameterization = check_parameterization(parameterization, ("dense", "diagonal"))
         self.regularization_weight = regularization_weight
         self.grad_correction = grad_correction_scale
-        self.prior_scale = prior_scale / in_features
-        self.noise_prior_scale = noise_prior_scale / in_features
-        self.noise_mean = nn.Parameter(torch.zeros(out_features), requires_grad=False)
-        std = math.sqrt(2.0 / in_features)
-        self.W_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
-        self.M_mean = nn.Parameter(torch.randn(out_features, in_features) * std)
+        _het_means(self, in_features, out_features, prior_scale, noise_prior_scale)
         shape = (out_features, in_features)
         for prefix, shift in (
             ("W", -0.5 * math.log(in_features)),
@@ -255,14 +296,6 @@ class HetRegression(nn.Module):
                 self, prefix, parameterization, shape, logdiag, 1e-3 / in_features, None
             )
 
-    @property
-    def W(self) -> Rows:
-        return _rows(self, "W", self.parameterization)
-
-    @property
-    def M(self) -> Rows:
-        return _rows(self, "M", self.parameterization)
-
     def forward(self, x: Tensor, consistent_variance: bool = False) -> VBLLReturn:
         return VBLLReturn(
             self.predictive_sample(x, consistent_variance),
@@ -271,12 +304,7 @@ class HetRegression(nn.Module):
         )
 
     def predictive_sample(self, x: Tensor, consistent_variance: bool) -> Normal:
-        if consistent_variance:
-            sigma2 = (x @ self.M.rsample().T).exp()
-        else:
-            sigma2 = (self.M @ x).rsample().exp()
-        wx = self.W @ x
-        return Normal(wx.mean, ((wx.variance + 1) * sigma2).sqrt())
+        return self._noisy_outputs(x, consistent_variance)
 
     def _train_loss(self, x: Tensor) -> Callable[[Tensor], Tensor]:
         def loss(y: Tensor) -> Tensor:

@@ -1,0 +1,201 @@
+"""The runner the experiments share: the pieces every ``run``/``main`` pair used to rebuild.
+
+* the command line: :func:`cli` builds the parser from a table of options (plus ``--output``,
+  ``--figure``, ``--progress``), checks the outputs before any work, passes the parsed
+  options to ``run`` by name and prints / writes the report (:mod:`._report`);
+* the protocol: :func:`choose_datasets` (a default set, ``--quick``'s smaller one, checked
+  names and tasks), :func:`seed_list` (a count or explicit seeds), :func:`torch_threads`
+  (``--threads``: torch's intra-op threads for the run, restored after), :func:`grid` (the
+  one method loop: each data set x seed, with a progress bar);
+* the aggregation: :func:`mean_se` (mean and standard error ``std(ddof=1) / sqrt(n)`` over
+  seeds / splits) and :func:`fmt` (``mean ± se`` as printed in every table);
+* the paper values: :func:`paper_table`, read from ``paper_tables.json`` next to this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from gaussify import data as gdata
+from gaussify.experiments._report import (
+    add_output_arguments,
+    add_progress_argument,
+    check_outputs,
+    experiment_parser,
+    progress_bar,
+    report,
+)
+
+__all__ = [
+    "choose_datasets",
+    "cli",
+    "fmt",
+    "grid",
+    "mean_se",
+    "paper_table",
+    "seed_list",
+    "torch_threads",
+]
+
+_T = TypeVar("_T")
+_UNSET: Any = object()
+
+
+def fmt(mean: float | None, se: float | None, digits: int = 3) -> str:
+    """``"mean ± se"`` with ``digits`` decimals; ``"mean"`` when ``se`` is missing or not
+    finite; ``"–"`` when there is no mean."""
+    if mean is None:
+        return "–"
+    if se is None or not math.isfinite(se):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def mean_se(values: Iterable[float], single: Any = math.nan) -> tuple[Any, Any]:
+    """Mean and standard error ``std(ddof=1) / sqrt(n)`` of ``values`` in float64;
+    ``(None, None)`` when there are none, and ``single`` as the standard error of one value
+    (nan, None or 0.0, as each experiment's JSON records it)."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return None, None
+    if arr.size < 2:
+        return float(arr.mean()), single
+    return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(arr.size))
+
+
+def choose_datasets(
+    datasets: Sequence[str] | None,
+    default: Sequence[str],
+    quick_default: Sequence[str] | None = None,
+    *,
+    quick: bool = False,
+    task: str | None = None,
+    wrong_task: str = "{} are not {} data sets",
+) -> list[str]:
+    """The data sets of a run: ``datasets`` (each shipped, of ``task`` when given; else a
+    ``ValueError`` naming them) or the shipped ones of ``default`` (``quick_default`` with
+    ``quick``)."""
+    available = set(gdata.list())
+    if datasets is None:
+        chosen = quick_default if quick and quick_default is not None else default
+        return [d for d in chosen if d in available]
+    chosen = list(datasets)
+    unknown = [d for d in chosen if d not in available]
+    if unknown:
+        raise ValueError(f"datasets: unknown {unknown}; available: {sorted(available)}")
+    wrong = [d for d in chosen if task is not None and gdata.info(d).task != task]
+    if wrong:
+        raise ValueError("datasets: " + wrong_task.format(wrong, task))
+    return chosen
+
+
+def seed_list(
+    seeds: int | Sequence[int], quick_count: int, *, quick: bool = False, name: str = ""
+) -> list[int]:
+    """Seeds ``0 .. seeds - 1`` (``0 .. quick_count - 1`` with ``quick``) or the explicit
+    ``seeds``; a count below 1 is refused naming ``name`` when given."""
+    if not isinstance(seeds, int):
+        return [int(s) for s in seeds]
+    if name and seeds <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {seeds}")
+    return list(range(quick_count if quick else seeds))
+
+
+@contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """Set torch's intra-op thread count inside the block (None: keep it) and restore the
+    previous count afterwards, also on error."""
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def grid(
+    datasets: Sequence[str],
+    seeds: Sequence[int],
+    fit: Callable[[str, int], _T],
+    *,
+    progress: bool = False,
+    desc: str = "",
+    unit: str = "run",
+) -> list[_T]:
+    """The method loop: ``fit(dataset, seed)`` for each data set (outer) and seed (inner), in
+    order, with a progress bar over the ``len(datasets) * len(seeds)`` runs when
+    ``progress``; returns the results in that order."""
+    bar = progress_bar(progress, len(datasets) * len(seeds), desc, unit)
+    out = []
+    try:
+        for name in datasets:
+            for seed in seeds:
+                out.append(fit(name, seed))
+                bar.update()
+    finally:
+        bar.close()
+    return out
+
+
+@cache
+def _paper_tables() -> dict[str, Any]:
+    return json.loads(Path(__file__).with_name("paper_tables.json").read_text())
+
+
+def paper_table(name: str) -> dict[str, Any]:
+    """The published table ``name`` of ``paper_tables.json`` (its ``"_about"`` note
+    dropped; ``"_rows"`` names the rows where a table has them)."""
+    return {k: v for k, v in _paper_tables()[name].items() if k != "_about"}
+
+
+def cli(
+    argv: Sequence[str] | None,
+    name: str,
+    description: str,
+    options: Sequence[tuple[str, dict[str, Any]]],
+    run: Callable[..., Any],
+    *,
+    title: str | Callable[[Any], str] | None = None,
+    plot: Callable[[Any, Path], Path] | None = None,
+    figure_help: str | None = None,
+    pass_figure: bool = False,
+    progress: bool = True,
+    rename: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> int:
+    """``main`` of an experiment: the parser ``gaussify experiment <name>`` with ``options``
+    (``(flag, add_argument keywords)`` in help order), then ``--output`` (and ``--figure``
+    when ``figure_help``) and ``--progress``; the outputs are checked before any work; each
+    option goes to ``run`` under its destination name (``rename`` maps a destination to
+    another keyword; ``extra`` adds fixed keywords; ``pass_figure``: ``run`` draws the
+    figure itself and gets ``figure=``), and the result is reported
+    (:func:`~gaussify.experiments._report.report`: ``title``, or ``title(result)``, the table,
+    notes, runtime, figure, JSON)."""
+    parser = experiment_parser(name, description)
+    dests = [parser.add_argument(flag, **kw).dest for flag, kw in options]
+    if figure_help is None:
+        parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    else:
+        add_output_arguments(parser, figure_help)
+    if progress:
+        add_progress_argument(parser)
+        dests.append("progress")
+    args = parser.parse_args(argv)
+    check_outputs(args)
+    rename = rename or {}
+    kwargs = {rename.get(d, d): getattr(args, d) for d in dests}
+    if pass_figure:
+        kwargs["figure"] = args.figure
+    result = run(**kwargs, **(extra or {}))
+    heading = title(result) if callable(title) else title
+    return report(result, args, title=heading, plot=plot)

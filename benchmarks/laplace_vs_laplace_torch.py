@@ -1,6 +1,16 @@
 """Side-by-side benchmark: gaussify's weight-space Laplace vs laplace-torch.
 
+    python benchmarks/laplace_vs_laplace_torch.py --fits [--quick] [--threads 1] [--device cpu]
     python benchmarks/laplace_vs_laplace_torch.py [--quick] [--threads 2] [--repeats 3]
+
+``--fits`` is issue 17's done-when benchmark: the curvature fits alone (diag and kron of all
+weights, exact GGN / empirical Fisher / Monte Carlo, and diag / kron / full of the last layer)
+on an MLP 64-100-100-C and a CNN with max-pooling on 8 x 8 digits, batch 32 and 256, C = 2, 10,
+100, against each laplace-torch backend (Curvlinops, its default, BackPack, ASDL) at its
+defaults, "best" the fastest per case, with agreement in float64, both sides' peak memory
+against the memory rule and the measured floors. Its case table, worker and report are
+``curvature_fits.py``'s (imported here, not repeated); it writes
+``benchmarks/results/laplace_vs_laplace_torch_fits.json``. Without ``--fits``, the pipeline:
 
 One run trains the MAP models once (an MLP 64-50-10 (tanh) on ``digits`` and a small CNN on
 ``mnist``), then, per case (structure full / diag / kron x subset all / last_layer), runs every
@@ -8,9 +18,10 @@ configuration (gaussify, and laplace-torch with each of its GGN backends) in a f
 subprocess on the same weights and data:
 
 * fit time (constructor + ``fit`` over the same DataLoader),
-* prior-tuning time (gaussify ``optimize_prior(n_steps=100, lr=0.1)`` vs laplace-torch
-  ``optimize_prior_precision(pred_type="glm", method="marglik", n_steps=100, lr=0.1)``, both Adam
-  on the log of a scalar prior from the MAP prior),
+* prior-tuning time (gaussify ``optimize_prior(method="gradient", n_steps=100, lr=0.1)`` vs
+  laplace-torch ``optimize_prior_precision(pred_type="glm", method="marglik", n_steps=100,
+  lr=0.1)``, both Adam on the log of a scalar prior from the MAP prior: the same 100 steps on
+  both sides, not gaussify's default, which tunes to convergence (closed form / L-BFGS)),
 * predict time (GLM predictive with the probit link on the test set),
 * peak memory: the RSS high-water mark (``VmHWM`` in ``/proc/self/status``, reset through
   ``/proc/self/clear_refs`` just before the first repeat) minus the RSS then, one subprocess per
@@ -71,6 +82,7 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "laplace_vs_laplace_torch.json"
+FITS_OUT = ROOT / "benchmarks" / "results" / "laplace_vs_laplace_torch_fits.json"
 BACKENDS = ("CurvlinopsGGN", "BackPackGGN", "AsdlGGN")
 DEFAULT_BACKEND = "CurvlinopsGGN"
 STRUCTURES = ("full", "diag", "kron")
@@ -1004,10 +1016,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--repeats", type=int, default=None, help="timing repeats (default 3)")
     parser.add_argument("--timeout", type=float, default=900.0, help="per-subprocess limit in s")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fits", action="store_true", help="the curvature fits of issue 17 (curvature_fits.py)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device for models and data")
+    parser.add_argument("--jobs", type=int, default=1, help="--fits: cases run at once")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = FITS_OUT if args.fits else DEFAULT_OUT
     if args.worker is None:  # a worker takes the parent's, from its environment
         os.environ["GAUSSIFY_BENCHMARK_DEVICE"] = args.device
     if args.repeats is None:
@@ -1032,6 +1050,14 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(worker(job_from_json(args.worker))), flush=True)
         return
     check_reference()
+    if args.fits:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import curvature_fits
+
+        fits_argv = ["--threads", str(args.threads), "--repeats", str(args.repeats)]
+        fits_argv += ["--device", args.device, "--out", str(args.out), "--jobs", str(args.jobs)]
+        curvature_fits.main(fits_argv + (["--quick"] if args.quick else []))
+        return
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     models = ["mlp"] if args.quick else ["mlp", "cnn"]

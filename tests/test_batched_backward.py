@@ -11,7 +11,12 @@ from torch.func import functional_call, jacrev, vmap
 
 from gaussify.curvature import make_curvature
 from gaussify.curvature.base import middle_factor
-from gaussify.curvature.batched_backward import chain_forward, module_chain, rule_chunk
+from gaussify.curvature.batched_backward import (
+    backward_peak,
+    chain_forward,
+    module_chain,
+    rule_chunk,
+)
 from gaussify.likelihoods import get_likelihood
 
 
@@ -239,20 +244,76 @@ def test_module_chain_refuses_what_it_cannot_propagate() -> None:
 
 
 def test_rule_chunk_follows_the_memory_rule() -> None:
-    """Samples per chunk = (1.8 (step + S) - N sum(a) - N K C - S) // (K (pair + max a)),
-    pair = max (a_i + a_{i+1}), with a training step's allocations step = N (sum(a) + pair / 2) + P
-    in elements (activations, their gradients, weight gradients), a the activations the
-    backward pass reads: x, the tanh's output and f here (the tanh's input is shape-only)."""
+    """Samples per chunk = (1.7 (step + S) - N sum(a) - N K C - S - buffers) // peak, with a
+    training step's allocations step = max_j N (sum_{i <= j+1} a_i + g_j + g_{j+1}) + P_{>=j}
+    in elements (the activations not yet freed, the gradients of one module's input and output,
+    the weight gradients above it), a the activations the backward pass reads and that are allocated
+    (the tanh's output and f here; not the caller's x; the tanh's input is shape-only), and
+    peak the most K-fold elements alive at once per sample: the first linear layer's gradient
+    and its square, 2 K 20 (more than K (20 + 10) while it propagates)."""
     model = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 3))
     run = chain_forward(list(model.named_children()), torch.randn(50, 10))
     assert run.acts[1].device.type == "meta" and run.acts[2].device.type == "cpu"
-    acts, pair, params, storage, k = 10 + 20 + 3, 40, 283, 283, 3
-    step = 50 * (acts + pair // 2) + params
-    budget = (18 * (step + storage)) // 10 - 50 * acts - 50 * k * 3 - storage
-    assert rule_chunk(run, model, k, storage) == budget // (k * (pair + 20))
+    acts, storage, k = 20 + 3, 283, 3
+    # at the tanh: its output, its two gradients and the last layer's 63 weight gradients
+    step = max(50 * (acts + 3 + 20) + 63, 50 * (20 + 20 + 20) + 63, 50 * 20 + 283)
+    budget = (17 * (step + storage)) // 10 - 50 * acts - 50 * k * 3 - storage
+    assert backward_peak(run, k, set()) == 2 * k * 20
+    assert backward_peak(run, k, {0}) == 2 * k * 20 + 20 + 10  # + the sums, the input squared
+    assert rule_chunk(run, model, k, storage) == budget // (2 * k * 20)
     budget -= storage  # a diagonal's batch temporary
-    assert rule_chunk(run, model, k, storage, copies=2) == budget // (k * (pair + 20))
+    assert rule_chunk(run, model, k, storage, copies=2) == budget // (2 * k * 20)
+    assert rule_chunk(run, model, k, storage, copies=2, buffers=700) == (budget - 700) // (
+        2 * k * 20
+    )
     budget += 50 * k * 3  # the vectors formed per chunk instead: K C more per sample
     assert rule_chunk(run, model, k, storage, copies=2, rowwise=True) == budget // (
-        k * (pair + 20 + 3)
+        2 * k * 20 + k * 3
     )
+
+
+def test_backward_peak_counts_a_convolution_s_per_sample_gradients() -> None:
+    """At a convolution whose per-sample weight gradients are formed (the diagonal), the
+    gradient K out, the im2col patches (C_in kh kw T) and K per-sample weight gradients
+    (C_out C_in kh kw) are alive at once; through a max-pooling both its gradients, K (in +
+    out)."""
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16, 2)
+    )
+    run = chain_forward(list(model.named_children()), torch.randn(6, 1, 4, 4))
+    k, t = 2, 16
+    conv = k * 4 * t + 9 * t + k * 4 * 9
+    assert backward_peak(run, k, {0}) == conv
+    # the Gram route (no per-sample gradients): the gradient and its reordered copy, 2 K 64
+    assert backward_peak(run, k, set()) == 2 * k * 64
+    # a deeper pooling: its two gradients dominate, K (in + out)
+    pool_run = chain_forward([("0", nn.MaxPool2d(2))], torch.randn(3, 4, 8, 8))
+    assert backward_peak(pool_run, k, set()) == k * (256 + 64)
+
+
+def test_strided_dilated_convolutions_restore_the_input_size() -> None:
+    """The convolution's adjoint (a transposed convolution) restores inputs that a stride drops
+    rows of: 8 x 8 -> 4 x 4 (stride 2, dilation 2: one row and column dropped) and 4 x 4 ->
+    1 x 1 (kernel 2, stride 3: two dropped); the diagonal GGN equals the float64 brute force."""
+    torch.manual_seed(3)
+    model = (
+        nn.Sequential(
+            nn.Conv2d(2, 3, 3, stride=2, padding=2, dilation=2),
+            nn.Tanh(),
+            nn.Conv2d(3, 2, 2, stride=3),
+            nn.Flatten(),
+            nn.Linear(2, 3),
+        )
+        .double()
+        .eval()
+    )
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 2, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=gen)
+    assert module_chain(model) is not None
+    curv = make_curvature("diag", model, "classification")
+    curv.update(model, x, y)
+    with torch.no_grad():
+        factor = middle_factor(get_likelihood("classification"), model(x), y, ef=False, draws=None)
+    expected = brute_diag(model, x, factor)
+    torch.testing.assert_close(curv.ggn_diag, expected, rtol=1e-10, atol=1e-13)

@@ -37,6 +37,7 @@ from gaussify.curvature.patches import conv2d_patches
 __all__ = [
     "ChainPass",
     "backward_chunk",
+    "backward_peak",
     "chain_forward",
     "chain_squared_sums",
     "module_chain",
@@ -200,15 +201,24 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     if kind is nn.Linear:
         return g @ m.weight.detach().to(g.dtype)
     if kind is nn.Conv2d:
+        # the adjoint of the convolution: a transposed convolution (1.5-3 x faster on the CPU
+        # than autograd's convolution_backward), its output padding restoring the input size
         flat = g.reshape(b * k, *g.shape[2:])
-        grad = torch.nn.grad.conv2d_input(
-            (b * k, *a.shape[1:]),
-            m.weight.detach().to(g.dtype),
+        extra = [
+            a.shape[2 + d]
+            - ((g.shape[3 + d] - 1) * m.stride[d] - 2 * m.padding[d])
+            - m.dilation[d] * (m.kernel_size[d] - 1)
+            - 1
+            for d in (0, 1)
+        ]
+        grad = F.conv_transpose2d(
             flat,
-            m.stride,
-            m.padding,
-            m.dilation,
-            m.groups,
+            m.weight.detach().to(g.dtype),
+            stride=m.stride,
+            padding=m.padding,
+            output_padding=tuple(extra),
+            groups=m.groups,
+            dilation=m.dilation,
         )
         return grad.view(b, k, *a.shape[1:])
     if kind is nn.MaxPool2d:
@@ -336,9 +346,29 @@ def chain_squared_sums(
 
     k = vectors(slice(0, 1)).shape[1]
     rowwise = row_cotangents is not None
-    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, copies=2)
+    # the (N, out) sums over K of the squared gradients of the linear layers, reduced once per
+    # batch, where holding them costs few more chunks (they pay where chunks are small)
+    sums = sum(n * run.acts[i + 1][0].numel() for i in wanted if type(chain[i][1]) is nn.Linear)
+    rule = {"copies": 2, "buffers": sums}
+    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, **rule)
+    if chunk_size is None:
+        plain = rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, copies=2)
+        if 2 * -(-n // chunk) > 3 * -(-n // plain):  # 1.5 x as many chunks: no buffers
+            rule, chunk = {"copies": 2, "buffers": 0}, plain
+    buffered = rule["buffers"] > 0
+    if (
+        rowwise
+        and chunk < n
+        and rule_chunk(run, model, k, storage, wanted, **rule, floor=0) >= chunk
+    ):
+        # the vectors of the whole batch fit beside chunks as large: form them once
+        whole = vectors(slice(0, n))
+
+        def vectors(rows: slice) -> Tensor:
+            return whole[rows]
+
     with torch.no_grad():
-        _accumulate_squares(run, vectors, layers, wanted, view, chunk)
+        _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered)
     return f
 
 
@@ -349,8 +379,14 @@ def _accumulate_squares(
     wanted: dict[int, str],
     view: Callable[[str], Tensor],
     chunk: int,
+    buffered: bool,
 ) -> None:
-    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums."""
+    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums.
+
+    A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
+    s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
+    per chunk into an (N, out) buffer and reduced once per batch (two products per chunk
+    instead of eight)."""
     f = run.output
     n = f.shape[0]
     # module position -> {"weight" / "bias": the view of ``out`` holding it}, once
@@ -358,28 +394,44 @@ def _accumulate_squares(
     for i, name in wanted.items():
         prefix = f"{name}." if name else ""
         targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
+    linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
+    squares = {i: f.new_empty(n, run.acts[i + 1].shape[1]) for i in linear} if buffered else {}
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        ut = vectors(rows).to(f.dtype)
+        ut = vectors(rows)
+        if ut.dtype != f.dtype:
+            ut = ut.to(f.dtype)
         for i, d in backward_chunk(run, ut, list(wanted), rows):
-            module, views = run.chain[i][1], targets[i]
-            a = run.acts[i][rows]
-            if type(module) is nn.Linear:
-                sq = d.square().sum(1)  # (linalg.vector_norm over K: 100 x slower)
-                if "weight" in views:
-                    w = views["weight"]
-                    w.addmm_(sq.T.to(w.dtype), a.square().to(w.dtype))
-                if "bias" in views:
-                    views["bias"].add_(sq.sum(0).to(views["bias"].dtype))
+            if i in linear:
+                if buffered:
+                    torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
+                else:
+                    _add_linear_squares(targets[i], (d * d).sum(1), run.acts[i][rows])
                 continue
+            module, views = run.chain[i][1], targets[i]
             assert isinstance(module, nn.Conv2d)
             if "weight" in views:
                 w = views["weight"]
+                a = run.acts[i][rows]
                 sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
                 w.view(module.out_channels, -1).add_(sums.to(w.dtype))
             if "bias" in views:
                 b = views["bias"]
-                b.add_(d.sum((-2, -1)).square().sum((0, 1)).to(b.dtype))
+                per = d.sum((-2, -1))
+                b.add_((per * per).sum((0, 1)).to(b.dtype))
+        del d, ut  # the chunk's K-fold tensors, before the per-batch reductions
+    for i, sq in squares.items():
+        _add_linear_squares(targets[i], sq, run.acts[i])
+
+
+def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:
+    """Add s^T (a^2) to a linear layer's weight view and sum_n s_n to its bias view, for
+    s (B, out) the per-sample sums over K of the squared output gradients, a (B, in)."""
+    if "weight" in views:
+        w = views["weight"]
+        w.addmm_(sq.T.to(w.dtype), (a * a).to(w.dtype))
+    if "bias" in views:
+        views["bias"].add_(sq.sum(0).to(views["bias"].dtype))
 
 
 def rule_chunk(
@@ -391,36 +443,93 @@ def rule_chunk(
     *,
     rowwise: bool = False,
     copies: int = 1,
+    buffers: int = 0,
+    floor: int = 1,
 ) -> int:
     """Samples per backward chunk under the memory rule (see :func:`chain_squared_sums`):
-    budget = 0.9 x 2 x (a training step's estimated allocations + ``storage``) less the
+    budget = 0.85 x 2 x (a training step's estimated allocations + ``storage``) less the
     activations, the output vectors and ``copies`` storage-sized tensors this pass holds
-    anyway (all in elements), at least one sample; per sample K x (the two
-    largest consecutive activations + the largest one) and, per convolution at the positions
-    ``per_sample_grads``, its patches and K per-sample weight gradients. ``rowwise``: the
-    output vectors (K C per sample) are formed per chunk, not for the whole batch."""
+    anyway (all in elements), at least one sample; per sample the largest set of K-fold
+    tensors alive at once during the backward pass (:func:`backward_peak`: two consecutive
+    gradients while one module propagates, or a layer's gradient and its reduction's
+    temporaries, for a convolution at ``per_sample_grads`` its patches and K per-sample weight
+    gradients). ``rowwise``: the output vectors (K C per sample) are formed per chunk, not for
+    the whole batch; ``buffers``: elements of the caller's per-batch buffers; ``floor``: the
+    fewest samples returned (0 says the budget does not hold one)."""
     n = run.acts[0].shape[0]
     per_act = [a[0].numel() for a in run.acts]
-    held = sum(a[0].numel() for a in run.acts if a.device.type != "meta")
-    pair = max(per_act[i] + per_act[i + 1] for i in range(len(per_act) - 1))
-    params = sum(p.numel() for p in model.parameters())
-    # a training step on the batch allocates the activations its backward pass reads (the
-    # ones held here), gradients of about half of two consecutive ones at a time during its
-    # backward pass (measured: within 35 % of a step's allocation peak on an MLP and a CNN)
-    # and the weights' gradients
-    step = n * (held + pair // 2) + params
-    # 2 (step + storage) with a 10 % margin, less what this pass holds anyway: the
+    held = _held_activations(run)
+    step = _step_peak(run, model, held)
+    # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
     # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)
     vectors = 0 if rowwise else n * k * per_act[-1]  # rowwise: per chunk, below
-    budget = (9 * 2 * (step + storage)) // 10 - n * held - vectors - copies * storage
-    # the K-fold gradients of two consecutive activations, and one more of the largest (a
-    # squared copy, an element-wise product)
-    per_sample = k * (pair + max(per_act[1:])) + (k * per_act[-1] if rowwise else 0)
-    for i in per_sample_grads:
-        module = run.chain[i][1]
-        if type(module) is nn.Conv2d:
-            t = per_act[i + 1] // module.out_channels
-            fan_in = module.weight[0].numel()
-            per_sample += fan_in * module.groups * t + k * module.weight.numel()
-    return max(1, budget // max(per_sample, 1))
+    budget = (17 * (step + storage)) // 10 - n * sum(held) - vectors - copies * storage - buffers
+    per_sample = backward_peak(run, k, set(per_sample_grads))
+    per_sample += k * per_act[-1] if rowwise else 0
+    return max(floor, budget // max(per_sample, 1))
+
+
+def _held_activations(run: ChainPass) -> list[int]:
+    """Elements per sample of the activations the pass allocated and holds, by position (not
+    the caller's input; a max-pooling's int64 indices in elements of the activations)."""
+    width = run.acts[0].element_size()
+    held = [0] + [a[0].numel() if a.device.type != "meta" else 0 for a in run.acts[1:]]
+    for i, idx in run.indices.items():
+        held[i] += idx[0].numel() * idx.element_size() // width
+    return held
+
+
+def _step_peak(run: ChainPass, model: nn.Module, held: list[int]) -> int:
+    """Elements a training step on the batch allocates at its peak: the activations its
+    backward pass reads (``held``), all of them at the end of the forward pass; while module j
+    propagates, those at positions <= j + 1 (the later ones are freed once read), the
+    gradients of its output and input (not of the first module's input) and the weight
+    gradients of modules j and above (measured: 0-11 % below a step's allocation peak on an
+    MLP and a CNN with pooling); the model's parameters outside the chain count too."""
+    n = run.acts[0].shape[0]
+    per_act = [a[0].numel() for a in run.acts]
+    sizes = [sum(p.numel() for p in m.parameters()) for _, m in run.chain]
+    above = sum(p.numel() for p in model.parameters()) - sum(sizes)
+    peak = n * sum(held)
+    for j in range(len(run.chain) - 1, -1, -1):
+        above += sizes[j]
+        grads = per_act[j + 1] + (per_act[j] if j > 0 else 0)
+        peak = max(peak, n * (sum(held[: j + 2]) + grads) + above)
+    return peak
+
+
+def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
+    """Elements per sample alive at once in :func:`backward_chunk` with K vectors (and the
+    reductions of :func:`chain_squared_sums` / the Gram sums at the positions it yields):
+    the maximum over the modules of the gradient they receive (K out) plus what they
+    allocate, K in for a product (none for an element-wise module, which works in place,
+    K 2 in for an autograd product at a zero input, none for a reshape) or, at a layer being
+    reduced, a K-fold squared or reordered copy of its gradient (for a linear layer at
+    ``per_sample_grads`` with its sums over K and its squared input), or for a convolution at
+    ``per_sample_grads`` its patches and K per-sample weight gradients (squared in place)."""
+    per_act = [a[0].numel() for a in run.acts]
+    peak = 0
+    for i, (_, m) in enumerate(run.chain):
+        out, inp = per_act[i + 1], per_act[i]
+        kind = type(m)
+        if kind in (nn.Flatten, nn.Unflatten):
+            alive = k * out
+        elif kind in _ELEMENTWISE:
+            # in place, with phi'(a); a new product where g is still the caller's vectors
+            alive = k * out + out + (k * out if i == len(run.chain) - 1 else 0)
+        elif kind in (nn.Linear, nn.Conv2d, nn.MaxPool2d):
+            alive = k * (out + inp)
+        else:
+            alive = k * (out + 2 * inp)  # autograd's product at a zero input
+        peak = max(peak, alive)
+        if i in per_sample_grads and kind is nn.Conv2d:
+            # the gradient, the patches and the K per-sample weight gradients (squared in place)
+            t = out // m.out_channels
+            patches = m.weight[0].numel() * m.groups * t
+            peak = max(peak, k * out + patches + k * m.weight.numel())
+        elif kind in (nn.Linear, nn.Conv2d):
+            # the gradient and its square / reordered copy; a diagonal's sums over K and the
+            # squared inputs of a linear layer
+            peak = max(peak, k * 2 * out + (out + inp if i in per_sample_grads else 0))
+    return peak

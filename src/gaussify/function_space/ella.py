@@ -36,7 +36,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from gaussify import distributed
+from gaussify import distributed, prior_tuning
+from gaussify import state as st
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
@@ -52,34 +53,9 @@ from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_li
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.posterior import DeclaredCapabilities
-from gaussify.predictive import (
-    LinkName,
-    Predictive,
-    posterior_predictive,
-)
-from gaussify.prior_tuning import (
-    hyperparameters_or_current,
-    maximise_evidence,
-    noise_to_tune,
-    tuning_options,
-)
-from gaussify.state import (
-    Integer,
-    Nested,
-    TensorSpec,
-    copy_state,
-    identity,
-    identity_schema,
-    transactional,
-    validate_posterior_state,
-)
-from gaussify.tuning import (
-    Optimizer,
-    TuningResult,
-    grid_search,
-    prior_from_weights,
-    residual_rms,
-)
+from gaussify.predictive import LinkName, Predictive, posterior_predictive
+from gaussify.state import copy_state, identity, transactional
+from gaussify.tuning import Optimizer, TuningResult, grid_search, prior_from_weights, residual_rms
 from gaussify.validation import check_count, check_inputs, validated_batches
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
@@ -365,7 +341,7 @@ class ELLA(DeclaredCapabilities):
         in a scalar prior precision and the regression noise."""
         self._require_fit()
         dtype = self._proj.dtype
-        prior, sigma = hyperparameters_or_current(
+        prior, sigma = prior_tuning.hyperparameters_or_current(
             self, prior_precision, sigma_noise, dtype, self._proj.device
         )
         a, s, const = self._posterior_terms(prior, sigma)
@@ -414,18 +390,18 @@ class ELLA(DeclaredCapabilities):
         ``n_steps`` Adam steps from the current value, as laplace-torch); ``method="grid"``:
         the best prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
         :attr:`tuning_result`. ``data`` is fitted first when not fitted yet."""
-        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
+        options = prior_tuning.tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
-        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
+        tune_noise = prior_tuning.noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self._proj.dtype
         if method == "grid":
             result = grid_search(self.log_marginal_likelihood, options.grid, dtype)
             self.prior_precision = result.prior_precision
         else:
             noise_start = residual_rms(self._stats["sse"], self.num_data) if tune_noise else None
-            result = maximise_evidence(
+            result = prior_tuning.maximise_evidence(
                 self.log_marginal_likelihood,
                 self.prior_precision.reshape(()).to(dtype),
                 self.sigma_noise,
@@ -529,16 +505,18 @@ class ELLA(DeclaredCapabilities):
         else:
             stats = {"gram": ("R", "R"), "s": ("R",), "log_lik": (), "rm": (), "mlm": ()}
         return {
-            **identity_schema(self.task, self.subset.names),
-            "landmarks": TensorSpec(("M", ...), None),
-            "projection": TensorSpec((None, "R"), dt),
-            "prior_fit": TensorSpec(None, dt, positive=True),
-            "prior_precision": TensorSpec(None, dt, positive=True),
-            "sigma_noise": TensorSpec(None, dt, positive=True),
-            "theta_star": TensorSpec(("P",), dt),
-            "num_data": Integer(1),
+            **st.identity_schema(self.task, self.subset.names),
+            "landmarks": st.TensorSpec(("M", ...), None),
+            "projection": st.TensorSpec((None, "R"), dt),
+            "prior_fit": st.TensorSpec(None, dt, positive=True),
+            "prior_precision": st.TensorSpec(None, dt, positive=True),
+            "sigma_noise": st.TensorSpec(None, dt, positive=True),
+            "theta_star": st.TensorSpec(("P",), dt),
+            "num_data": st.Integer(1),
             # the statistics are summed in float64 (a state in the model's dtype loads too)
-            "stats": Nested({k: TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}),
+            "stats": st.Nested(
+                {k: st.TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}
+            ),
         }
 
     @transactional
@@ -547,7 +525,7 @@ class ELLA(DeclaredCapabilities):
         whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
         against the model (a mismatch raises; ``strict=False`` warns); a failed load
         changes nothing."""
-        valid = validate_posterior_state(
+        valid = st.validate_posterior_state(
             state,
             self._state_schema(),
             owner="ELLA",

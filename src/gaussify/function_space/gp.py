@@ -37,7 +37,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from gaussify import distributed
+from gaussify import distributed, prior_tuning
+from gaussify import state as st
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
@@ -52,36 +53,9 @@ from gaussify.function_space.pathwise import pathwise_sample
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
-from gaussify.predictive import (
-    LinkName,
-    Predictive,
-    posterior_predictive,
-)
-from gaussify.prior_tuning import (
-    hyperparameters_or_current,
-    maximise_evidence,
-    noise_to_tune,
-    tuning_options,
-)
-from gaussify.state import (
-    Integer,
-    Maybe,
-    NameGroups,
-    StateError,
-    TensorSpec,
-    copy_state,
-    identity,
-    identity_schema,
-    transactional,
-    validate_posterior_state,
-)
-from gaussify.tuning import (
-    Optimizer,
-    TuningResult,
-    check_choice,
-    grid_search,
-    prior_from_weights,
-)
+from gaussify.predictive import LinkName, Predictive, posterior_predictive
+from gaussify.state import copy_state, identity, transactional
+from gaussify.tuning import Optimizer, TuningResult, check_choice, grid_search, prior_from_weights
 from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
@@ -416,7 +390,7 @@ class FunctionalLaplace:
     def _hyper(
         self, prior_precision: Tensor | float | None, sigma_noise: Tensor | float | None
     ) -> tuple[Tensor, Tensor]:
-        return hyperparameters_or_current(
+        return prior_tuning.hyperparameters_or_current(
             self, prior_precision, sigma_noise, self._f.dtype, self._f.device
         )
 
@@ -473,12 +447,12 @@ class FunctionalLaplace:
         "scalar" or "layer" (one per parameter tensor); ``method="grid"``: the best scalar
         prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
         :attr:`tuning_result`. ``data`` is fitted first when the posterior is not fitted yet."""
-        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
+        options = prior_tuning.tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         check_choice(granularity, "granularity", ("scalar", "layer"))
         if data is not None and not self._fitted:
             self.fit(data)
         self._require_fit()
-        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
+        tune_noise = prior_tuning.noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self._f.dtype
         if method == "grid":
             result = grid_search(self.log_marginal_likelihood, options.grid, dtype)
@@ -496,7 +470,7 @@ class FunctionalLaplace:
         if tune_noise:
             residual = self._y.reshape(self._f.shape).to(dtype) - self._f
             noise_start = float(residual.square().mean().sqrt())
-        result = maximise_evidence(
+        result = prior_tuning.maximise_evidence(
             self.log_marginal_likelihood,
             start,
             self.sigma_noise,
@@ -635,17 +609,17 @@ class FunctionalLaplace:
         dt = self.prior_precision.dtype
         names = tuple(self.subset.names)
         return {
-            **identity_schema(self.task, names),
-            "prior_precision": TensorSpec(None, dt, positive=True),
-            "sigma_noise": TensorSpec(None, dt, positive=True),
-            "theta_star": TensorSpec(("P",), dt),
-            "x": TensorSpec(("N", ...), None),
-            "y": TensorSpec(("N", ...), None),
-            "f": TensorSpec(("N", "C"), dt),
-            "m": TensorSpec(("N", "C"), dt),
-            "num_data": Integer(1, dim="N"),
-            "groups": Maybe(NameGroups(names, dim="G")),
-            "components": Maybe(TensorSpec(("G", "N", "C", "N", "C"), dt)),
+            **st.identity_schema(self.task, names),
+            "prior_precision": st.TensorSpec(None, dt, positive=True),
+            "sigma_noise": st.TensorSpec(None, dt, positive=True),
+            "theta_star": st.TensorSpec(("P",), dt),
+            "x": st.TensorSpec(("N", ...), None),
+            "y": st.TensorSpec(("N", ...), None),
+            "f": st.TensorSpec(("N", "C"), dt),
+            "m": st.TensorSpec(("N", "C"), dt),
+            "num_data": st.Integer(1, dim="N"),
+            "groups": st.Maybe(st.NameGroups(names, dim="G")),
+            "components": st.Maybe(st.TensorSpec(("G", "N", "C", "N", "C"), dt)),
         }
 
     @transactional
@@ -654,7 +628,7 @@ class FunctionalLaplace:
         whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
         against the model (a mismatch raises; ``strict=False`` warns); a failed load
         changes nothing."""
-        valid = validate_posterior_state(
+        valid = st.validate_posterior_state(
             state,
             self._state_schema(),
             owner="FunctionalLaplace",
@@ -664,7 +638,7 @@ class FunctionalLaplace:
             strict=strict,
         )
         if ("groups" in valid) != ("components" in valid):
-            raise StateError(
+            raise st.StateError(
                 "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
                 "come together"
             )

@@ -17,15 +17,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from gaussify import distributed
+from gaussify import distributed, prior_tuning
 from gaussify.batches import Batches
-from gaussify.curvature.jacobian import (
-    SubsetLike,
-    resolve_subset,
-)
-from gaussify.curvature.lastlayer import (
-    find_output_linear,
-)
+from gaussify.curvature.jacobian import SubsetLike, resolve_subset
+from gaussify.curvature.lastlayer import find_output_linear
 from gaussify.curvature.subset import (
     ParameterSubset,
     check_prior,
@@ -33,13 +28,7 @@ from gaussify.curvature.subset import (
     require_whole_tensors,
     select_parameters,
 )
-from gaussify.likelihoods import (
-    Gaussian,
-    Likelihood,
-    all_finite,
-    check_sigma_noise,
-    get_likelihood,
-)
+from gaussify.likelihoods import Gaussian, Likelihood, all_finite, check_sigma_noise, get_likelihood
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
@@ -47,12 +36,6 @@ from gaussify.predictive import (
     noise_variance,
     posterior_predictive,
     predictive_from_samples,
-)
-from gaussify.prior_tuning import (
-    hyperparameters_or_current,
-    maximise_evidence,
-    noise_to_tune,
-    tuning_options,
 )
 from gaussify.spectral import Spectrum
 from gaussify.state import transactional
@@ -419,7 +402,7 @@ class Laplace(DenseViews):
         would exceed the likelihood's supremum (so class labels always give log Z <= 0)."""
         self._require_fit()
         dtype = self.mean.dtype
-        prior, sigma = hyperparameters_or_current(
+        prior, sigma = prior_tuning.hyperparameters_or_current(
             self, prior_precision, sigma_noise, dtype, self.mean.device
         )
         result = fitted_log_evidence(self, prior, sigma)
@@ -454,13 +437,13 @@ class Laplace(DenseViews):
         ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
         prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
         per call); elsewhere each call differentiates the dense evidence with autograd."""
-        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
+        options = prior_tuning.tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
         check_choice(granularity, "granularity", sorted(sizes))
         if data is not None and self._curvature is None:
             self.fit(data)
         self._require_fit()
-        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
+        tune_noise = prior_tuning.noise_to_tune(tune_noise, self.task, self.sigma_noise)
         dtype = self.mean.dtype
         if method == "grid":
             closed = self.spectrum("scalar", tune_noise=False)
@@ -480,7 +463,7 @@ class Laplace(DenseViews):
             prior = prior.squeeze(0) if granularity == "scalar" else prior
             return self.log_marginal_likelihood(prior, sigma)
 
-        result = maximise_evidence(
+        result = prior_tuning.maximise_evidence(
             evidence if spec is None else spec,  # closed form: O(P) per call
             start.detach().to(dtype),
             self.sigma_noise,

@@ -9,7 +9,11 @@
   one method loop: each data set x seed, with a progress bar);
 * the aggregation: :func:`mean_se` (mean and standard error ``std(ddof=1) / sqrt(n)`` over
   seeds / splits) and :func:`fmt` (``mean ± se`` as printed in every table);
-* the paper values: :func:`paper_table`, read from ``paper_tables.json`` next to this module.
+* the paper values: :func:`paper_table`, read from ``paper_tables.json`` next to this module;
+* small shared pieces: :func:`tanh_mlp` (the seeded float64 tanh network of the regression
+  experiments), :func:`train_map_eval` (its MAP training, Adam at 1e-3 under a unit prior),
+  :func:`group_records` (records by data set, in first-seen order),
+  :func:`check_known` (unknown names in an option, with the experiment's message).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from gaussify import data as gdata
 from gaussify.experiments._report import (
@@ -34,16 +39,21 @@ from gaussify.experiments._report import (
     progress_bar,
     report,
 )
+from gaussify.training import train_map
 
 __all__ = [
+    "check_known",
     "choose_datasets",
     "cli",
     "fmt",
     "grid",
+    "group_records",
     "mean_se",
     "paper_table",
     "seed_list",
+    "tanh_mlp",
     "torch_threads",
+    "train_map_eval",
 ]
 
 _T = TypeVar("_T")
@@ -199,3 +209,52 @@ def cli(
     result = run(**kwargs, **(extra or {}))
     heading = title(result) if callable(title) else title
     return report(result, args, title=heading, plot=plot)
+
+
+def tanh_mlp(d_in: int, d_out: int, width: int, depth: int, seed: int) -> nn.Sequential:
+    """``d_in``-``width``-...-``d_out`` MLP with ``depth`` tanh hidden layers (0: one linear
+    layer), float64, initialised after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    d = d_in
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.Tanh()]
+        d = width
+    layers.append(nn.Linear(d, d_out))
+    return nn.Sequential(*layers).double()
+
+
+def check_known(values: Iterable[str], known: Iterable[str], message: str) -> None:
+    """``ValueError(message.format(bad=[...]))`` listing the ``values`` not in ``known``."""
+    allowed = set(known)
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(message.format(bad=bad))
+
+
+def train_map_eval(
+    model: nn.Module, data: tuple[Any, Any], task: str, cfg: dict[str, Any], batch_size: int
+) -> None:
+    """MAP-train ``model`` on ``data`` (:func:`gaussify.train_map`: unit prior precision, Adam
+    at lr 1e-3, ``cfg["epochs"]`` epochs seeded by ``cfg["seed"]``) and put it in eval mode."""
+    train_map(
+        model,
+        data,
+        task,
+        prior_precision=1.0,
+        epochs=cfg["epochs"],
+        lr=1e-3,
+        batch_size=batch_size,
+        seed=cfg["seed"],
+    )
+    model.eval()
+
+
+def group_records(
+    records: Iterable[dict[str, Any]], key: str = "dataset"
+) -> dict[Any, list[dict[str, Any]]]:
+    """The ``records`` grouped by their ``key`` value, groups in first-seen order."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for rec in records:
+        groups.setdefault(rec[key], []).append(rec)
+    return groups

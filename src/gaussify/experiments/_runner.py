@@ -10,10 +10,11 @@
 * the aggregation: :func:`mean_se` (mean and standard error ``std(ddof=1) / sqrt(n)`` over
   seeds / splits) and :func:`fmt` (``mean ± se`` as printed in every table);
 * the paper values: :func:`paper_table`, read from ``paper_tables.json`` next to this module;
-* small shared pieces: :func:`tanh_mlp` (the seeded float64 tanh network of the regression
-  experiments), :func:`train_map_eval` (its MAP training, Adam at 1e-3 under a unit prior),
-  :func:`group_records` (records by data set, in first-seen order),
-  :func:`check_known` (unknown names in an option, with the experiment's message).
+* small shared pieces: :data:`IMAGE_DATASETS` and their :data:`OOD_PARTNER`,
+  :func:`tanh_mlp` (the seeded float64 tanh network of the regression experiments),
+  :func:`train_map_eval` (its MAP training, Adam at 1e-3 under a unit prior),
+  :func:`group_records` (records by data set, in first-seen order), :func:`check_known`
+  (unknown names in an option, with the experiment's message).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from gaussify.experiments._report import (
 from gaussify.training import train_map
 
 __all__ = [
+    "IMAGE_DATASETS",
+    "OOD_PARTNER",
     "check_known",
     "choose_datasets",
     "cli",
@@ -55,6 +58,10 @@ __all__ = [
     "torch_threads",
     "train_map_eval",
 ]
+
+#: the shipped image sets of the image experiments, and the OOD set each is scored against
+IMAGE_DATASETS: tuple[str, ...] = ("mnist", "fashion_mnist")
+OOD_PARTNER: dict[str, str] = {"mnist": "fashion_mnist", "fashion_mnist": "mnist"}
 
 _T = TypeVar("_T")
 _UNSET: Any = object()

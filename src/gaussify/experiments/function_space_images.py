@@ -44,7 +44,14 @@ from gaussify.experiments import function_space_regression as fs_regression
 from gaussify.experiments._report import (
     run_main,
 )
-from gaussify.experiments._runner import check_known, cli, group_records, train_map_eval
+from gaussify.experiments._runner import (
+    IMAGE_DATASETS,
+    OOD_PARTNER,
+    check_known,
+    cli,
+    group_records,
+    train_map_eval,
+)
 from gaussify.experiments.function_space_regression import (
     WEIGHT_SPACE,
     run_datasets,
@@ -63,8 +70,7 @@ __all__ = [
     "run",
 ]
 
-DATASETS: tuple[str, ...] = ("mnist", "fashion_mnist")
-OOD_PARTNER: dict[str, str] = {"mnist": "fashion_mnist", "fashion_mnist": "mnist"}
+DATASETS = IMAGE_DATASETS
 #: the methods of the regression benchmark but Sampled-LLA, with its labels
 METHODS: tuple[str, ...] = tuple(m for m in fs_regression.METHODS if m != "sampled_lla")
 LABELS: dict[str, str] = {m: fs_regression.LABELS[m] for m in METHODS}

@@ -50,7 +50,15 @@ from gaussify.experiments._report import (
     run_main,
     write_json,
 )
-from gaussify.experiments._runner import fmt, mean_se, seed_list, torch_threads
+from gaussify.experiments._runner import (
+    IMAGE_DATASETS,
+    OOD_PARTNER,
+    check_known,
+    fmt,
+    mean_se,
+    seed_list,
+    torch_threads,
+)
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
 from gaussify.plots import save_figure
 
@@ -67,9 +75,8 @@ __all__ = [
     "run",
 ]
 
-DATASETS: tuple[str, ...] = ("mnist", "fashion_mnist")
-#: in-distribution set -> the OOD set scored against it
-OOD_PAIR: dict[str, str] = {"mnist": "fashion_mnist", "fashion_mnist": "mnist"}
+DATASETS = IMAGE_DATASETS
+OOD_PAIR = OOD_PARTNER  # in-distribution set -> the OOD set scored against it
 METHODS: tuple[str, ...] = ("map", "dvbll", "gvbll")
 METHOD_LABELS: dict[str, str] = {"map": "MAP softmax", "dvbll": "D-VBLL", "gvbll": "G-VBLL"}
 
@@ -326,9 +333,7 @@ def run(
     chosen = list(DATASETS if datasets is None else datasets)
     if quick and datasets is None:
         chosen = ["mnist"]
-    bad = [d for d in chosen if d not in OOD_PAIR]
-    if bad:
-        raise ValueError(f"datasets: expected names from {DATASETS}, got {bad}")
+    check_known(chosen, OOD_PAIR, f"datasets: expected names from {DATASETS}, got {{bad}}")
     seed_ids = seed_list(seeds, 1, quick=quick)
     cfg = Config(
         datasets=chosen,

@@ -14,13 +14,16 @@
   :func:`tanh_mlp` (the seeded float64 tanh network of the regression experiments),
   :func:`train_map_eval` (its MAP training, Adam at 1e-3 under a unit prior),
   :func:`group_records` (records by data set, in first-seen order), :func:`check_known`
-  (unknown names in an option, with the experiment's message).
+  (unknown names in an option, with the experiment's message), :func:`result_fields` (the
+  fields every results dataclass has), :func:`summary_rows` (one row per data set and
+  method: each metric's mean and standard error over the seeds).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
@@ -53,7 +56,9 @@ __all__ = [
     "group_records",
     "mean_se",
     "paper_table",
+    "result_fields",
     "seed_list",
+    "summary_rows",
     "tanh_mlp",
     "torch_threads",
     "train_map_eval",
@@ -265,3 +270,57 @@ def group_records(
     for rec in records:
         groups.setdefault(rec[key], []).append(rec)
     return groups
+
+
+def result_fields(
+    cfg: Any,
+    rows: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    notes: list[str],
+    start: float,
+) -> dict[str, Any]:
+    """The fields every results dataclass has: ``config`` (the dataclass ``cfg``'s fields
+    and the torch version), ``rows``, ``records``, ``notes`` and ``runtime_s`` since the
+    ``time.perf_counter()`` value ``start``."""
+    return {
+        "config": {**cfg.__dict__, "torch": torch.__version__},
+        "rows": rows,
+        "records": records,
+        "notes": notes,
+        "runtime_s": time.perf_counter() - start,
+    }
+
+
+def summary_rows(
+    records: list[dict[str, Any]],
+    datasets: Sequence[str],
+    methods: Sequence[str],
+    labels: dict[str, str],
+    keys: Sequence[str],
+    *,
+    sort_key: str | None = None,
+) -> list[dict[str, Any]]:
+    """One row per data set and method that has records (in the order of ``datasets`` and
+    ``methods``): ``dataset``, ``method``, ``label``, ``num_seeds`` and, for each of ``keys``
+    that some of its records have, ``{key}_mean`` / ``{key}_se`` by :func:`mean_se` (None for
+    one record) over the records, taken in the order of ``sort_key`` where given."""
+    rows = []
+    for name in datasets:
+        for method in methods:
+            sel = [r for r in records if r["dataset"] == name and r["method"] == method]
+            if sort_key is not None:
+                sel.sort(key=lambda r: r[sort_key])
+            if not sel:
+                continue
+            row: dict[str, Any] = {
+                "dataset": name,
+                "method": method,
+                "label": labels[method],
+                "num_seeds": len(sel),
+            }
+            for key in keys:
+                vals = [r[key] for r in sel if key in r]
+                if vals:
+                    row[f"{key}_mean"], row[f"{key}_se"] = mean_se(vals, single=None)
+            rows.append(row)
+    return rows

@@ -55,8 +55,9 @@ from gaussify.experiments._runner import (
     OOD_PARTNER,
     check_known,
     fmt,
-    mean_se,
+    result_fields,
     seed_list,
+    summary_rows,
     torch_threads,
 )
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
@@ -424,11 +425,7 @@ def run(
         f"D-VBLL probabilities: Monte Carlo over {num_samples} logit samples.",
     ]
     return VBLLClassificationResults(
-        config={**cfg.__dict__, "torch": torch.__version__},
-        rows=summarise(records, chosen),
-        records=records,
-        notes=notes,
-        runtime_s=time.perf_counter() - start,
+        **result_fields(cfg, summarise(records, chosen), records, notes, start),
         predictions=predictions,
         models=models,
     )
@@ -446,24 +443,7 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
         "auroc_density",
         "auroc_density_map",
     )
-    rows = []
-    for name in datasets:
-        for method in METHODS:
-            sel = [r for r in records if r["dataset"] == name and r["method"] == method]
-            if not sel:
-                continue
-            row: dict[str, Any] = {
-                "dataset": name,
-                "method": method,
-                "label": METHOD_LABELS[method],
-                "num_seeds": len(sel),
-            }
-            for key in keys:
-                vals = [r[key] for r in sel if key in r]
-                if vals:
-                    row[f"{key}_mean"], row[f"{key}_se"] = mean_se(vals, single=None)
-            rows.append(row)
-    return rows
+    return summary_rows(records, datasets, METHODS, METHOD_LABELS, keys)
 
 
 # --------------------------------------------------------------------------------------------

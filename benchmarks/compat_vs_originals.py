@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 import gaussify as gs  # noqa: E402
+from gaussify.cli_args import add_device_argument, synchronize  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "compat_vs_originals.json"
 CASES = [("all", "diag"), ("all", "kron"), ("last_layer", "kron"), ("last_layer", "full")]
@@ -47,13 +48,14 @@ def laplace_run(lib: Any, model: nn.Module, data: dict[str, Any], subset: str, s
     la.fit(data["train"])
     la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
     probs = la(data["x_test"], pred_type="glm", link_approx="probit")
+    synchronize(probs.device)
     return time.perf_counter() - start, la.prior_precision.detach(), probs.detach()
 
 
 def vbll_run(lib: Any, name: str, x: torch.Tensor, y: torch.Tensor) -> float:
     torch.manual_seed(0)
     out = 1 if name == "Regression" else 10
-    head = getattr(lib, name)(64, out, 1 / len(x), parameterization="dense")
+    head = getattr(lib, name)(64, out, 1 / len(x), parameterization="dense").to(x.device)
     opt = torch.optim.Adam(head.parameters(), lr=1e-3)
     start = time.perf_counter()
     for i in range(0, len(x), 32):
@@ -61,14 +63,17 @@ def vbll_run(lib: Any, name: str, x: torch.Tensor, y: torch.Tensor) -> float:
         head(x[i : i + 32]).train_loss_fn(y[i : i + 32]).backward()
         opt.step()
     with torch.no_grad():
-        head(torch.randn(1000, 64)).predictive  # noqa: B018 (the predictive is computed)
+        head(torch.randn(1000, 64, device=x.device)).predictive  # noqa: B018 (computed)
+    synchronize(x.device)
     return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = args.device
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     originals = {
@@ -80,16 +85,18 @@ def main() -> None:
         "vbll": importlib.import_module("gaussify.compat.vbll"),
     }
     ds = gs.data.load("digits", seed=0)
+    x_train, y_train, x_test = (t.to(device) for t in (ds.x_train, ds.y_train, ds.x_test))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10))
-    gs.train_map(model, (ds.x_train, ds.y_train), "classification", epochs=100, lr=1e-2, seed=0)
+    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).to(device)
+    gs.train_map(model, (x_train, y_train), "classification", epochs=100, lr=1e-2, seed=0)
     model.eval()
     data = {
-        "train": DataLoader(TensorDataset(ds.x_train, ds.y_train), batch_size=256),
-        "x_test": ds.x_test,
+        "train": DataLoader(TensorDataset(x_train, y_train), batch_size=256),
+        "x_test": x_test,
     }
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1},
+        "device": str(device),
         "laplace": [],
         "vbll": [],
     }
@@ -122,10 +129,10 @@ def main() -> None:
             f"{row['compat_s']:.3f}s  x{row['speedup']:.1f}  prior rel diff "
             f"{row['prior_rel_diff']:.1e}  probs diff {row['probs_max_abs_diff']:.1e}"
         )
-    x = torch.randn(742, 64)
+    x = torch.randn(742, 64).to(device)
     targets = {
-        "Regression": torch.randn(742, 1),
-        "DiscClassification": torch.randint(0, 10, (742,)),
+        "Regression": torch.randn(742, 1).to(device),
+        "DiscClassification": torch.randint(0, 10, (742,)).to(device),
     }
     for name, y in targets.items():
         times = {"original": [], "compat": []}

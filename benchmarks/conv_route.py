@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import laplace_vs_laplace_torch as bench
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.curvature import layer_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -81,6 +83,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         info = bench.prepare_model(spec, Path(tmp), spec.epochs)
         model, data = bench.load_bundle(Path(tmp), "cnn")
+    model = model.to(args.device)
+    data = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
     loader = bench.make_loader(data, spec.batch_size)
     tasks: dict[str, Callable[[], Any]] = {
         "gradient_epoch": lambda: bench.gradient_epoch(copy.deepcopy(model), loader),
@@ -102,6 +106,7 @@ def main() -> None:
         for key, task in tasks.items():
             t0 = time.perf_counter()
             task()
+            synchronize(args.device)
             samples[key].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in samples.items()}
     fast = diag_fit(model, loader, False)._curvature.ggn_diag

@@ -46,41 +46,49 @@ from torch import nn  # noqa: E402
 import gaussify as gs  # noqa: E402
 from gaussify import data as gdata  # noqa: E402
 from gaussify import distributed  # noqa: E402
+from gaussify.cli_args import add_device_argument, synchronize  # noqa: E402
 
 CASES = (("kron", "all"), ("diag", "all"), ("full", "last_layer"))
 BATCH = 256
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 128),
-        nn.Tanh(),
-        nn.Linear(128, 128),
-        nn.Tanh(),
-        nn.Linear(128, 10),
-    ).double()
+    return (
+        nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(784, 128),
+            nn.Tanh(),
+            nn.Linear(128, 128),
+            nn.Tanh(),
+            nn.Linear(128, 10),
+        )
+        .double()
+        .to(device)
+    )
 
 
-def _worker(rank: int, world: int, port: int, dataset: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, dataset: str, out: str, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     ds = gdata.load(dataset, seed=0)
     x, y = distributed.shard(ds.x_train.double(), ds.y_train)
+    x, y = x.to(device), y.to(device)
     # warm-up (torch.func / hooks first-call costs) on one batch, without communication
     with distributed.local():
         for structure, subset in CASES:
-            gs.Laplace(_model(), "classification", structure, subset).fit((x[:BATCH], y[:BATCH]))
+            la = gs.Laplace(_model(device), "classification", structure, subset)
+            la.fit((x[:BATCH], y[:BATCH]))
     rows = []
     for structure, subset in CASES:
-        la = gs.Laplace(_model(), "classification", structure, subset, prior_precision=1.0)
+        la = gs.Laplace(_model(device), "classification", structure, subset, prior_precision=1.0)
         distributed.barrier(600)
         distributed.reset_comm_stats()
         start, cpu = time.perf_counter(), time.process_time()
         la.fit((x, y), batch_size=BATCH)
+        synchronize(torch.device(device))
         fit_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
         stats = distributed.comm_stats()
         rows.append(
@@ -170,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/distributed_fit.json"))
     parser.add_argument("--figure", default=str(ROOT / "docs/figures/distributed_speedup.png"))
     parser.add_argument("--plot-only", action="store_true", help="redraw from --out")
+    add_device_argument(parser)  # every rank uses it (gloo backend)
     args = parser.parse_args(argv)
     if args.plot_only:
         print(plot(json.loads(Path(args.out).read_text()), Path(args.figure)))
@@ -179,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for world in args.worlds:
         start = time.perf_counter()
-        mp.spawn(_worker, args=(world, _free_port(), args.dataset, str(tmp)), nprocs=world)
+        mp.spawn(
+            _worker,
+            args=(world, _free_port(), args.dataset, str(tmp), str(args.device)),
+            nprocs=world,
+        )
         ranks = [json.loads((tmp / f"{world}_{r}.json").read_text()) for r in range(world)]
         results[str(world)] = {"ranks": ranks, "launch_s": time.perf_counter() - start}
     rows = []

@@ -53,6 +53,7 @@ try:
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import gaussify as gs
+from gaussify.cli_args import add_device_argument, synchronize
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "function_space_scaling.json"
@@ -64,6 +65,11 @@ EPOCHS = 10  # SampledLLA passes over the data
 METHODS = ["sampled_lla", "valla", "ella", "functional_laplace"]
 
 
+#: the environment variable that hands ``--device`` to the worker processes
+DEVICE_VARIABLE = "GAUSSIFY_BENCHMARK_DEVICE"
+DEVICE = os.environ.get(DEVICE_VARIABLE, "cpu")
+
+
 def make_model() -> nn.Module:
     layers = [nn.Linear(9, 50), nn.Tanh(), nn.Linear(50, 50), nn.Tanh(), nn.Linear(50, 1)]
     return nn.Sequential(*layers)
@@ -71,9 +77,9 @@ def make_model() -> nn.Module:
 
 def load_data(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     data = gs.data.load("protein", seed=0)
-    x = data.x_train[:n].double()
-    y = data.y_train[:n].double().reshape(-1, 1)
-    return x, y, data.x_test[:500].double()
+    x = data.x_train[:n].double().to(DEVICE)
+    y = data.y_train[:n].double().reshape(-1, 1).to(DEVICE)
+    return x, y, data.x_test[:500].double().to(DEVICE)
 
 
 def train(path: Path) -> None:
@@ -110,6 +116,7 @@ def _measured(fn: Any) -> tuple[Any, float, float]:
         pass
     start = time.perf_counter()
     out = fn()
+    synchronize(torch.device(DEVICE))
     seconds = time.perf_counter() - start
     return out, seconds, (_status_kib("VmHWM") - base) / 1024
 
@@ -139,7 +146,7 @@ def worker(method: str, n: int, weights: str) -> dict[str, Any]:
     warnings.simplefilter("ignore")
     model = make_model().double()
     model.load_state_dict(torch.load(weights, weights_only=True))
-    model.eval()
+    model.eval().to(DEVICE)
     x, y, xt = load_data(n)
     # warm up every code path on a tiny problem (lazy imports, vmap set-up, BLAS workspaces)
     warm = _build(method, model)
@@ -172,7 +179,7 @@ def step_worker(sizes: list[int], weights: str, rounds: int = 12, per_round: int
     warnings.simplefilter("ignore")
     model = make_model().double()
     model.load_state_dict(torch.load(weights, weights_only=True))
-    model.eval()
+    model.eval().to(DEVICE)
     posts, data = {}, {}
     for n in sizes:
         x, y, _ = load_data(n)
@@ -190,6 +197,7 @@ def step_worker(sizes: list[int], weights: str, rounds: int = 12, per_round: int
                 idx = torch.randint(0, n, (256,), generator=gen)
                 start = time.perf_counter()
                 posts[n].step(x[idx], y[idx])
+                synchronize(torch.device(DEVICE))
                 times[n].append(time.perf_counter() - start)
     return {str(n): 1000 * sorted(t)[len(t) // 2] for n, t in times.items()}
 
@@ -202,13 +210,14 @@ def available(method: str) -> bool:
     return (ROOT.parent / "src" / "gaussify" / "function_space" / f"{module}.py").exists()
 
 
-def run(sizes: list[int]) -> dict[str, Any]:
+def run(sizes: list[int], device: str = "cpu") -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "model.pt"
         train(weights)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env[DEVICE_VARIABLE] = device  # the workers put the model and the data there
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT.parent / "src"), env.get("PYTHONPATH", "")]
         ).rstrip(os.pathsep)
@@ -278,6 +287,7 @@ def run(sizes: list[int]) -> dict[str, Any]:
         },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "torch": torch.__version__,
+        "device": device,
         "rows": rows,
         "summary": summary,
         "notes": notes,
@@ -293,9 +303,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="N = 1000 and 4000 only")
+    add_device_argument(parser)
     args = parser.parse_args()
     start = time.perf_counter()
-    result = run(QUICK_SIZES if args.quick else SIZES)
+    result = run(QUICK_SIZES if args.quick else SIZES, str(args.device))
     result["total_s"] = time.perf_counter() - start
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ import torch
 import gaussify as gs
 from gaussify.approx_likelihoods import GPClassifier
 from gaussify.approx_likelihoods.pseudo_targets import SUPPORTED_BASES
+from gaussify.cli_args import add_device_argument
 
 DT = torch.float64
 #: every method GPClassifier supports in the log basis (all five)
@@ -145,7 +146,12 @@ def main() -> None:
     parser.add_argument(
         "--output", type=Path, default=Path("benchmarks/results/gp_classification.json")
     )
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        # GPClassifier sets its hyperparameters up from sizes and a dtype on the host (no
+        # device argument yet; see tests/test_device_rules.py, NODEVICE)
+        parser.error(f"--device {args.device}: GPClassifier runs on the CPU only")
     torch.set_num_threads(1)
     rows = []
     for n in args.sizes:

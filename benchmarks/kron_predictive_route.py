@@ -1,7 +1,7 @@
 """Side-by-side benchmark: the KFAC GLM predictive over ``nn.Linear`` layers on the traced
 route (layer inputs and output gradients, rank-one Jacobian rows) vs the dense Jacobian route.
 
-    python benchmarks/kron_predictive_route.py [--threads 1] [--repeats 3]
+    python benchmarks/kron_predictive_route.py [--model mlp|cnn] [--threads 1] [--repeats 3]
 
 The model of ``gaussify.experiments.function_space_images``: a 784-100-100-10 tanh MLP in
 float64 (P = 89,610), ``Laplace(structure="kron", subset="all")`` fitted on 1000 ``mnist``
@@ -11,6 +11,10 @@ every ``nn.Linear`` model took before: ``jacobians`` (256, 10, P), then each blo
 into its Kronecker eigenbasis by two dense matmuls per output row). Each time is the median
 of ``--repeats``; the two routes' means and covariances are checked to agree. Writes
 ``benchmarks/results/kron_predictive_route.json``.
+
+``--model cnn`` (issue 22): a LeNet-style CNN (Conv2d 1->8 5x5, max-pool, Conv2d 8->16 5x5,
+max-pool, Linear 256->10; float64) on the same images, whose Conv2d blocks joined the traced
+route (patches and output gradients); writes ``kron_predictive_route_cnn.json``.
 """
 
 from __future__ import annotations
@@ -26,10 +30,28 @@ import torch
 
 import gaussify as gs
 import gaussify.weight_space.laplace_predict as laplace_module  # the predictive routes
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.experiments.function_space_images import make_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kron_predictive_route.json"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def make_cnn() -> torch.nn.Sequential:
+    """The LeNet-style CNN of ``--model cnn`` (seeded, float64)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(256, 10),
+    ).double()
 
 
 def predict(la: gs.Laplace, x: torch.Tensor, dense: bool) -> gs.Predictive:
@@ -45,13 +67,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--out", type=Path, default=None)
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.model == "mlp" else "_cnn"
+        args.out = RESULTS / f"kron_predictive_route{suffix}.json"
     torch.set_num_threads(args.threads)
     ds = gs.data.load("mnist", seed=0, dtype=torch.float64, max_train=1000)
-    x, y = ds.x_train.flatten(1), ds.y_train
-    xt = ds.x_test[: args.chunk].flatten(1)
-    model = make_mlp(x.shape[1], 100, 10).eval()
+    if args.model == "mlp":
+        x, y = ds.x_train.flatten(1), ds.y_train
+        xt = ds.x_test[: args.chunk].flatten(1)
+        model = make_mlp(x.shape[1], 100, 10).eval()
+        description = "784-100-100-10 tanh MLP, float64"
+    else:
+        x, y = ds.x_train.reshape(-1, 1, 28, 28), ds.y_train
+        xt = ds.x_test[: args.chunk].reshape(-1, 1, 28, 28)
+        model = make_cnn().eval()
+        description = "LeNet-style CNN (conv 8 5x5, pool, conv 16 5x5, pool, linear), float64"
+    model = model.to(args.device)
+    x, y, xt = x.to(args.device), y.to(args.device), xt.to(args.device)
     num_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     la = gs.Laplace(model, "classification", "kron", "all").fit((x, y), batch_size=256)
@@ -63,6 +99,7 @@ def main() -> None:
         for key in samples:
             t0 = time.perf_counter()
             preds[key] = predict(la, xt, key == "dense")
+            synchronize(args.device)
             samples[key].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in samples.items()}
     ref = preds["dense"]
@@ -70,10 +107,12 @@ def main() -> None:
     rel_mean = float((preds["traced"].f_mean - ref.f_mean).abs().max() / ref.f_mean.abs().max())
     result = {
         "benchmark": "kron_predictive_route",
-        "model": "784-100-100-10 tanh MLP, float64",
+        "model": description,
         "num_params": num_params,
         "chunk": int(xt.shape[0]),
         "threads": args.threads,
+        "device": str(args.device),
+        "load": Path("/proc/loadavg").read_text().split()[:3],
         "torch": torch.__version__,
         "repeats": args.repeats,
         "fit_s": fit_s,

@@ -481,6 +481,8 @@ def worker(job: Job) -> dict[str, Any]:
     torch.set_num_threads(job.threads)
     warnings.filterwarnings("ignore")
     model, data = load_bundle(Path(job.workdir), job.case.model)
+    device = os.environ.get("GAUSSIFY_BENCHMARK_DEVICE", "cpu")  # --device, via the parent
+    model, data = model.to(device), {k: v.to(device) for k, v in data.items()}
     batch_size = MODEL_SPECS[job.case.model].batch_size
     loader = make_loader(data, batch_size)
     preload(job)
@@ -1004,7 +1006,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0, help="per-subprocess limit in s")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="torch device for models and data")
     args = parser.parse_args(argv)
+    if args.worker is None:  # a worker takes the parent's, from its environment
+        os.environ["GAUSSIFY_BENCHMARK_DEVICE"] = args.device
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     return args

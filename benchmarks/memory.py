@@ -262,6 +262,8 @@ def forward_pass(model: nn.Module, x: Tensor, y: Tensor) -> None:
 def worker(case: Case, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     model, x, y, x_test = build(case.model)
+    device = os.environ.get("GAUSSIFY_BENCHMARK_DEVICE", "cpu")  # --device, via the parent
+    model, x, y, x_test = model.to(device), x.to(device), y.to(device), x_test.to(device)
     epoch_s = gradient_epoch(model, x, y)
     model.eval()
     for p in model.parameters():
@@ -440,7 +442,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "memory.json")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument("--device", default="cpu", help="torch device (memory: host RSS)")
+    args = parser.parse_args(argv)
+    if args.worker is None:  # a worker takes the parent's, from its environment
+        os.environ["GAUSSIFY_BENCHMARK_DEVICE"] = args.device
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gaussify as gs  # noqa: E402
+from gaussify.cli_args import add_device_argument, synchronize  # noqa: E402
 from gaussify.weight_space.glm_vi import GLMVI  # noqa: E402
 from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN  # noqa: E402
 
@@ -71,6 +72,7 @@ def sgd_epoch(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -
         loss = (model(x) - y).square().mean()
         loss.backward()
         opt.step()
+    synchronize(data[0][0].device)
     return time.perf_counter() - start
 
 
@@ -78,21 +80,22 @@ def ngvi_epoch(vi: Any, data: list[tuple[torch.Tensor, torch.Tensor]], n: int) -
     start = time.perf_counter()
     for batch in data:
         vi.step(batch, n)
+    synchronize(data[0][0].device)
     return time.perf_counter() - start
 
 
-def run(repeats: int, quick: bool) -> list[dict[str, Any]]:
+def run(repeats: int, quick: bool, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
     ds = gs.data.load("concrete", seed=0)
-    x, y = ds.x_train.float(), ds.y_train.float().reshape(-1, 1)
+    x, y = ds.x_train.float().to(device), ds.y_train.float().reshape(-1, 1).to(device)
     if quick:
         x, y = x[:256], y[:256]
     data = batches(x, y)
     rows = []
     for structure, hidden, gamma in CASES:
         for cls, samples in VARIANTS:
-            sgd_model = mlp(x.shape[1], hidden)
+            sgd_model = mlp(x.shape[1], hidden).to(device)
             vi = cls(
-                mlp(x.shape[1], hidden), "regression", structure, 1.0, lr=gamma,
+                mlp(x.shape[1], hidden).to(device), "regression", structure, 1.0, lr=gamma,
                 num_samples=samples, sigma_noise=0.5, init_precision=10.0, seed=0,
             )  # fmt: skip
             sgd_epoch(sgd_model, data)  # warm-up
@@ -128,9 +131,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="256 examples, for a smoke test")
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = run(args.repeats, args.quick)
+    rows = run(args.repeats, args.quick, args.device)
     result = {
         "benchmark": "ngvi_epoch_time",
         "description": "one NGVI epoch (fit steps, no ELBO) / one plain SGD epoch, same MLP, "

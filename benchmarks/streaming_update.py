@@ -30,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.last_layer.exact import ExactLastLayer
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 10
 F64 = torch.float64
+#: where the layers and the data live (``--device``)
+DEVICE = torch.device("cpu")
 
 
 def _min_time(fn, repeats: int) -> float:
@@ -43,19 +46,27 @@ def _min_time(fn, repeats: int) -> float:
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        synchronize(DEVICE)
         times.append(time.perf_counter() - t0)
     return min(times)  # the least-disturbed run on a shared machine
 
 
 def _data(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d, generator=gen, dtype=F64), torch.randint(0, K, (n,), generator=gen)
+    phi = torch.randn(n, d, generator=gen, dtype=F64)
+    return phi.to(DEVICE), torch.randint(0, K, (n,), generator=gen).to(DEVICE)
+
+
+def _layer(d: int, streaming: bool = True) -> ExactLastLayer:
+    return ExactLastLayer(
+        d, K, method="variational", prior_precision=1.0, streaming=streaming, device=DEVICE
+    )
 
 
 def case(d: int, b: int, repeats: int, stream_points: int) -> dict[str, float]:
     phi0, y0 = _data(200, d, 0)
     phi, y = _data(b, d, 1)
-    layer = ExactLastLayer(d, K, method="variational", prior_precision=1.0).update(phi0, y0)
+    layer = _layer(d).update(phi0, y0)
     state = layer.state_dict()
 
     def update() -> None:
@@ -66,13 +77,13 @@ def case(d: int, b: int, repeats: int, stream_points: int) -> dict[str, float]:
         layer.load_state_dict(state)
 
     cov = layer.covariance.clone()
-    x = torch.cat([phi, torch.ones(b, 1, dtype=F64)], dim=1)
+    x = torch.cat([phi, torch.ones(b, 1, dtype=F64, device=DEVICE)], dim=1)
 
     def matmul() -> None:
         cov @ x.T
 
     def oneshot() -> None:
-        one = ExactLastLayer(d, K, method="variational", prior_precision=1.0, streaming=False)
+        one = _layer(d, streaming=False)
         one.update(phi, y)
         _ = one.mean, one.covariance
 
@@ -83,12 +94,12 @@ def case(d: int, b: int, repeats: int, stream_points: int) -> dict[str, float]:
     phi_s, y_s = _data(stream_points, d, 2)
 
     def stream() -> None:
-        lay = ExactLastLayer(d, K, method="variational", prior_precision=1.0)
+        lay = _layer(d)
         for start in range(0, stream_points, b):
             lay.update(phi_s[start : start + b], y_s[start : start + b])
 
     def fit_all() -> None:
-        one = ExactLastLayer(d, K, method="variational", prior_precision=1.0, streaming=False)
+        one = _layer(d, streaming=False)
         one.update(phi_s, y_s)
         _ = one.mean, one.covariance
 
@@ -117,7 +128,10 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/streaming_update.json"
     )
+    add_device_argument(parser)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     widths = (64, 256) if args.quick else (64, 256, 512)
     batches = (1, 10, 100)
@@ -141,6 +155,7 @@ def main() -> None:
         "description": "ExactLastLayer Kalman update per batch vs one batched Sigma X^T matmul "
         "and vs the one-shot (information-form) posterior; K = 10, float64",
         "threads": args.threads,
+        "device": str(DEVICE),
         "num_classes": K,
         "repeats": repeats,
         "machine": platform.processor() or platform.machine(),

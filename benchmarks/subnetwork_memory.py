@@ -20,6 +20,7 @@ N x C x P_all Jacobian the fit never forms.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import measured
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 
 WIDTHS = (256, 1024, 2048)
 N, C, SUBNET = 256, 10, 1000
@@ -40,13 +42,14 @@ RESULTS = Path(__file__).resolve().parent / "results" / "subnetwork_memory.json"
 MIB = 2**20
 
 
-def worker(width: int, kind: str) -> dict[str, float | int | str]:
+def worker(width: int, kind: str, device: str = "cpu") -> dict[str, float | int | str]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(784, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, C)
     ).eval()
     x, y = torch.randn(N, 784), torch.randint(0, C, (N,))
+    model, x, y = model.to(device), x.to(device), y.to(device)
     p_all = gs.subnetwork.num_weights(model)
     if kind == "magnitude":
         idx = gs.subnetwork.largest_magnitude(model, SUBNET)
@@ -80,14 +83,17 @@ def worker(width: int, kind: str) -> dict[str, float | int | str]:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        print("RESULT " + json.dumps(worker(int(sys.argv[2]), sys.argv[3])))
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        print("RESULT " + json.dumps(worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])))
         return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_device_argument(parser)  # memory figures are the host process's (RSS)
+    args = parser.parse_args()
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}
     rows = []
     for kind in ("magnitude", "last"):
         for width in WIDTHS:
-            cmd = [sys.executable, __file__, "--worker", str(width), kind]
+            cmd = [sys.executable, __file__, "--worker", str(width), kind, str(args.device)]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
             r = json.loads(out.split("RESULT ", 1)[1])
             rows.append(r)

@@ -18,6 +18,7 @@ only linearly), while a full GGN over all weights would need P_total^2 entries (
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import measured
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 
 WIDTHS = (256, 1024, 2048, 4096)
 RESULTS = Path(__file__).resolve().parent / "results" / "subset_memory.json"
@@ -56,12 +58,12 @@ def build(width: int) -> nn.Module:
     )
 
 
-def worker(width: int) -> dict[str, float]:
+def worker(width: int, device: str = "cpu") -> dict[str, float]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     ds = gs.data.load("mnist", seed=0)
-    x, y = ds.x_train[:2000].reshape(2000, -1), ds.y_train[:2000]
-    model, model_bytes, _ = measured(lambda: build(width).eval())
+    x, y = ds.x_train[:2000].reshape(2000, -1).to(device), ds.y_train[:2000].to(device)
+    model, model_bytes, _ = measured(lambda: build(width).eval().to(device))
     p_total = sum(p.numel() for p in model.parameters())
     p_sub = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gs.Laplace(model, "classification", "full").fit((x[:64], y[:64]))  # warm-up
@@ -90,13 +92,16 @@ def worker(width: int) -> dict[str, float]:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        print("RESULT " + json.dumps(worker(int(sys.argv[2]))))
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        print("RESULT " + json.dumps(worker(int(sys.argv[2]), sys.argv[3])))
         return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_device_argument(parser)  # memory figures are the host process's (RSS)
+    args = parser.parse_args()
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}
     rows = []
     for width in WIDTHS:
-        cmd = [sys.executable, __file__, "--worker", str(width)]
+        cmd = [sys.executable, __file__, "--worker", str(width), str(args.device)]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
         rows.append(json.loads(out.split("RESULT ", 1)[1]))
         r = rows[-1]

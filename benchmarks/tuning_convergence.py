@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 
 
 def _result(la: gs.Laplace) -> dict[str, object]:
@@ -44,11 +45,11 @@ def _result(la: gs.Laplace) -> dict[str, object]:
     }
 
 
-def digits() -> list[dict[str, object]]:
+def digits(device: str | torch.device = "cpu") -> list[dict[str, object]]:
     ds = gs.data.load("digits")
-    x, y = ds.x_train.float(), ds.y_train.long()
+    x, y = ds.x_train.float().to(device), ds.y_train.long().to(device)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10))
+    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).to(device)
     gs.train_map(model, (x, y), "classification", prior_precision=1.0, epochs=60, lr=1e-2, seed=0)
     rows = []
     for start in (1e-4, 1.0, 100.0, 1e4):
@@ -72,11 +73,13 @@ def digits() -> list[dict[str, object]]:
     return rows
 
 
-def regression(scale: float = 1000.0) -> list[dict[str, object]]:
+def regression(
+    scale: float = 1000.0, device: str | torch.device = "cpu"
+) -> list[dict[str, object]]:
     ds = gs.data.load("boston")
-    x, y = ds.x_train.float(), ds.y_train.float().reshape(-1, 1)
+    x, y = ds.x_train.float().to(device), ds.y_train.float().reshape(-1, 1).to(device)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(x.shape[1], 50), nn.Tanh(), nn.Linear(50, 1))
+    model = nn.Sequential(nn.Linear(x.shape[1], 50), nn.Tanh(), nn.Linear(50, 1)).to(device)
     gs.train_map(model, (x, y), "regression", prior_precision=1.0, epochs=200, lr=1e-2, seed=0)
     with torch.no_grad():
         model[2].weight.mul_(scale)
@@ -114,9 +117,10 @@ def regression(scale: float = 1000.0) -> list[dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = digits() + regression()
+    rows = digits(args.device) + regression(device=args.device)
     for row in rows:
         print(
             {

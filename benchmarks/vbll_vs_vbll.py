@@ -11,7 +11,14 @@ process):
   gradients clipped at 1.0, batch 32;
 * discriminative classification, ``dense``, ``diagonal`` and ``lowrank`` (rank 3):
   ``mnist`` (seed 0, 7000 training images), an MLP 784-128-128 (ReLU) + ``DiscClassification``
-  head, same optimiser, clipping at 2.0, batch 128.
+  head, same optimiser, clipping at 2.0, batch 128;
+* generative classification (G-VBLL), ``diagonal`` (the only one ``vbll`` implements): the
+  same data, MLP and optimiser + ``GenClassification`` / ``VBLLGenerative`` heads (class
+  embeddings, shared diagonal feature noise; gaussify's Dirichlet class prior left uniform,
+  which is what ``vbll`` uses).
+
+``--device`` (default ``cpu``) moves models and data there; timings on a GPU are CUDA-
+synchronised per epoch.
 
 Conventions, mapped so both optimise the same objective: the ``vbll`` package divides its
 ``prior_scale`` by the feature width (``Regression``: prior variance ``prior_scale / D``;
@@ -39,6 +46,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -63,6 +71,11 @@ RESULTS = Path(__file__).resolve().parent / "results" / "vbll_vs_vbll.json"
 @torch.no_grad()
 def copy_head(ref: nn.Module, ours: nn.Module, parameterization: str) -> None:
     """Set gaussify head ``ours`` to the state of ``vbll`` head ``ref`` (see module doc)."""
+    if parameterization == "generative":
+        ours.mu_mean.copy_(ref.mu_mean)
+        ours.mu_cov.logdiag.copy_(ref.mu_logdiag)
+        ours.noise_cov.logdiag.copy_(-ref.noise_logdiag)
+        return
     ours.W_mean.copy_(ref.W_mean)
     cov = ours.W_cov
     if parameterization == "lowrank":
@@ -77,6 +90,13 @@ def copy_head(ref: nn.Module, ours: nn.Module, parameterization: str) -> None:
 
 def _max_param_diff(ref: nn.Module, ours: nn.Module, parameterization: str) -> float:
     """Largest absolute difference of the mapped head parameters."""
+    if parameterization == "generative":
+        pairs = [
+            (ref.mu_mean, ours.mu_mean),
+            (ref.mu_logdiag, ours.mu_cov.logdiag),
+            (-ref.noise_logdiag, ours.noise_cov.logdiag),
+        ]
+        return max(float((a - b).abs().max()) for a, b in pairs)
     pairs = [(ref.W_mean, ours.W_mean), (-ref.noise_logdiag, ours.noise_cov.logdiag)]
     if parameterization == "lowrank":
         pairs += [(0.5 * ref.W_logdiag, ours.W_cov.logdiag), (ref.W_offdiag, ours.W_cov.factor)]
@@ -114,6 +134,8 @@ class Runner:
             loss.backward()
             nn.utils.clip_grad_norm_(self.params, self.clip)
             self.opt.step()
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         self.times.append(time.perf_counter() - start)
         return float(loss.detach())
 
@@ -125,6 +147,7 @@ def run_case(
     epochs: int,
     vbll_prior: float = 1.0,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     import vbll
 
@@ -140,6 +163,23 @@ def run_case(
             width, 1, 1.0 / n, prior_scale=vbll_prior / width, **kwargs
         )
         mapped_prior = vbll_prior / width
+    elif task == "generative":
+        # G-VBLL: vbll's GenClassification supports the diagonal only and takes its
+        # prior_scale as the prior variance (no 1 / D), like gaussify
+        width, batch, clip = 128, 128, 2.0
+        num_classes = int(y.max()) + 1
+        body = nn.Sequential(
+            nn.Flatten(), nn.Linear(x[0].numel(), width), nn.ReLU(), nn.Linear(width, width)
+        )
+        body.append(nn.ReLU())
+        kwargs = {"parameterization": "diagonal", "wishart_scale": 1.0, "dof": 1.0}
+        ref_head = vbll.GenClassification(
+            width, num_classes, 1.0 / n, prior_scale=vbll_prior, **kwargs
+        )
+        ours_head = last_layer.VBLLGenerative(
+            width, num_classes, 1.0 / n, prior_scale=vbll_prior, **kwargs
+        )
+        mapped_prior = vbll_prior
     else:
         width, batch, clip = 128, 128, 2.0
         num_classes = int(y.max()) + 1
@@ -157,12 +197,14 @@ def run_case(
         )
         mapped_prior = 2 * vbll_prior / width
     copy_head(ref_head, ours_head, parameterization)
+    body, ours_head, ref_head = body.to(device), ours_head.to(device), ref_head.to(device)
+    x, y, x_test, y_test = (t.to(device) for t in (x, y, x_test, y_test))
     ours = Runner(copy.deepcopy(body), ours_head, clip)
     ref = Runner(copy.deepcopy(body), ref_head, clip)
     gen = torch.Generator().manual_seed(seed)
     losses: dict[str, float] = {}
     for epoch in range(epochs):
-        perm = torch.randperm(n, generator=gen)
+        perm = torch.randperm(n, generator=gen).to(device)
         # alternate which library goes first, so drifts in machine load hit both alike
         order = (ours, ref) if epoch % 2 == 0 else (ref, ours)
         for runner in order:
@@ -202,6 +244,10 @@ def run_case(
                     mean, var = dist.mean, dist.variance
                 out[f"test_nll_{name}"] = gs.metrics.gaussian_nll(mean, var, y_test)
                 out[f"test_rmse_{name}"] = gs.metrics.rmse(mean, y_test)
+            elif task == "generative":
+                probs = runner.head(phi).predictive.probs
+                out[f"test_nll_{name}"] = gs.metrics.nll(probs, y_test)
+                out[f"test_acc_{name}"] = gs.metrics.accuracy(probs, y_test)
             else:
                 torch.manual_seed(7)
                 if runner is ours:
@@ -228,6 +274,7 @@ CASES = (
     ("classification", "dense"),
     ("classification", "diagonal"),
     ("classification", "lowrank"),
+    ("generative", "generative"),
 )
 
 
@@ -257,19 +304,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-train", type=int, default=None, help="mnist training images")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--device", default="cpu", help="torch device for the model and data (default cpu)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()[0]
     start = time.perf_counter()
-    epochs = {"regression": args.epochs_reg, "classification": args.epochs_clf}
+    epochs = {
+        "regression": args.epochs_reg,
+        "classification": args.epochs_clf,
+        "generative": args.epochs_clf,
+    }
     max_train = 2000 if args.quick and args.max_train is None else args.max_train
     if args.quick:
-        epochs = {"regression": 3, "classification": 3}
+        epochs = {"regression": 3, "classification": 3, "generative": 3}
     rows = []
     cache: dict[str, dict[str, Tensor]] = {}
     for task, param in CASES:
         if task not in cache:
             cache[task] = _data(task, max_train)
-        rows.append(run_case(task, param, cache[task], max(3, epochs[task])))
+        rows.append(run_case(task, param, cache[task], max(3, epochs[task]), device=args.device))
         r = rows[-1]
         print(
             f"{task:>14} {param:>9}: ratio {r['time_ratio']:.2f}, NLL "
@@ -281,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"gaussify": version("gaussify") if _installed() else "src", **_versions()},
         "platform": platform.platform(),
         "threads": args.threads,
+        "device": args.device,
+        "machine_load_1min_at_start": load_at_start,
         "quick": args.quick,
         "prior_scale_mapping": "gaussify prior_scale (prior variance) = vbll prior_scale / D "
         "(Regression) or 2 vbll prior_scale / D (DiscClassification), D = feature width",

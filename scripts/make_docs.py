@@ -129,6 +129,11 @@ BUILDERS: dict[str, tuple[str, Callable[[], None], bool]] = {
         True,
     ),
     "demo": ("demo_<name>.png from `gaussify demo`", demo, True),
+    "reproductions": (
+        "docs/reproductions.md (from benchmarks/paper_values.toml and the result JSONs)",
+        lambda: _run(PY, "scripts/make_reproductions.py"),
+        True,
+    ),
     "site": ("site/home.png, site/api_laplace.png (mkdocs + chromium)", site, True),
     "marglik_selection": (
         "laplace_marglik_selection.png",

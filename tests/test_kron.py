@@ -529,10 +529,14 @@ def test_protocols_registry_and_chunking(mlp_kron):
 # ----------------------------------------------------------------------------- errors
 
 
-def test_unsupported_module_is_named():
+def test_module_without_kronecker_form_gets_exact_blocks():
+    # issue 22: kron never refuses a model; a LayerNorm's tensors get exact GGN blocks
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"'1'.*LayerNorm.*full.*diag.*lowrank"):
-        KronGGN(model, Categorical(), select_parameters(model))
+    kron = KronGGN(model, Categorical(), select_parameters(model))
+    kron.update(model, torch.randn(5, 3), torch.randint(0, 2, (5,)))
+    assert sorted(kron.exact_blocks()) == ["1.bias", "1.weight"]
+    assert kron.exact_blocks()["1.weight"].shape == (4, 4)
+    assert kron.posterior(1.0).num_params == 16 + 8 + 10
     # Leaving the LayerNorm out of the subset is fine.
     kron = KronGGN(model, Categorical(), select_parameters(model, ["0", "2"]))
     kron.update(model, torch.randn(5, 3), torch.randint(0, 2, (5,)))
@@ -550,9 +554,8 @@ def test_bad_arguments():
         KronGGN(model, Categorical(), subset, ef=True, mc_samples=3)
     with pytest.raises(TypeError, match="rank"):
         KronGGN(model, Categorical(), subset, rank=3)
-    conv = nn.Conv2d(4, 4, 3, groups=2)
-    with pytest.raises(ValueError, match="groups=2"):
-        KronGGN(conv, Categorical(), select_parameters(conv))
+    with pytest.raises(ValueError, match="exact_full_max"):
+        KronGGN(model, Categorical(), subset, exact_full_max=-1)
     kron = KronGGN(model, Categorical(), subset)
     with pytest.raises(ValueError, match="prior_precision"):
         kron.posterior(-1.0)
@@ -560,7 +563,7 @@ def test_bad_arguments():
         kron.posterior(torch.ones(5))
 
 
-def test_module_called_twice_is_rejected():
+def test_module_called_twice_gets_exact_blocks():
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
@@ -569,10 +572,27 @@ def test_module_called_twice_is_rejected():
         def forward(self, x):
             return self.lin(torch.tanh(self.lin(x)))
 
-    model = Twice()
+    # issue 22: kron never refuses a model; a reused module's tensors get exact GGN blocks
+    model = Twice().to(DT)
     kron = KronGGN(model, Categorical(), select_parameters(model))
-    with pytest.raises(ValueError, match="called 2 times"):
-        kron.update(model, torch.randn(4, 3), torch.randint(0, 3, (4,)))
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 3, (4,))
+    with pytest.warns(UserWarning, match="called 2 times.*exact GGN blocks"):
+        kron.update(model, x, y)
+    assert sorted(kron.exact_blocks()) == ["lin.bias", "lin.weight"]
+    jac = torch.func.vmap(
+        torch.func.jacrev(lambda w, xn: torch.func.functional_call(model, {"lin.weight": w}, xn)),
+        (None, 0),
+    )(model.lin.weight.detach(), x)
+    jac = jac.reshape(4, 3, 9)
+    lam = Categorical().hessian(model(x).detach())
+    ggn = torch.einsum("ncp,nck,nkq->pq", jac, lam, jac)
+    torch.testing.assert_close(kron.exact_blocks()["lin.weight"], ggn, rtol=0, atol=1e-10)
+    # the blocks are fixed at the first batch: a later change of call pattern is an error
+    kron2 = KronGGN(model, Categorical(), select_parameters(model))
+    with pytest.warns(UserWarning):
+        kron2.update(model, x, y)
+    kron2.update(model, x, y)
+    assert kron2.num_data == 8
 
 
 # ----------------------------------------------------------------------------- float32 oracle

@@ -189,6 +189,17 @@ class _SmallCNN(nn.Module):
         return self.fc(torch.tanh(self.conv(x)).flatten(1))
 
 
+class _SmallConv1d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(1, 2, 3)
+        self.fc = nn.Linear(2 * 4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
 class _TokenMLP(nn.Module):
     """A Linear applied to (N, T, in) inputs (KFAC supports it, the traced route does not)."""
 
@@ -202,16 +213,29 @@ class _TokenMLP(nn.Module):
         return self.out(torch.tanh(self.tok(x.view(-1, 2, 3))).flatten(1))
 
 
-@pytest.mark.parametrize("net", ["cnn", "tokens"])
+def test_conv2d_takes_the_traced_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain Conv2d is on the traced route since issue 22: no Jacobian is built."""
+    g = torch.Generator().manual_seed(0)
+    model = _SmallCNN().double()
+    x = torch.randn(20, 1, 6, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (20,), generator=g)
+    la = gs.Laplace(model, "classification", "kron", "all").fit((x, y))
+    shift = torch.zeros(la.subset.num_params, dtype=torch.float64)
+    assert traced_predictive(la.posterior, model, x[:4], la.subset, shift) is not None
+    monkeypatch.setattr(laplace_module, "jacobians", None)  # would fail if called
+    assert torch.isfinite(la.predict(x[:4]).f_cov).all()
+
+
+@pytest.mark.parametrize("net", ["conv1d", "tokens"])
 def test_unsupported_models_take_the_jacobian_route(
     net: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A convolution, or a Linear over several locations per sample, is not on the traced
+    """A Conv1d, or a Linear over several locations per sample, is not on the traced
     route: ``traced_predictive`` declines (None) and ``predict`` builds the Jacobian."""
     g = torch.Generator().manual_seed(0)
-    if net == "cnn":
-        model: nn.Module = _SmallCNN().double()
-        x = torch.randn(20, 1, 6, 6, generator=g, dtype=torch.float64)
+    if net == "conv1d":
+        model: nn.Module = _SmallConv1d().double()
+        x = torch.randn(20, 1, 6, generator=g, dtype=torch.float64)
     else:
         model = _TokenMLP().double()
         x = torch.randn(20, 6, generator=g, dtype=torch.float64)

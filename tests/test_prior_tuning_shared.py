@@ -26,6 +26,7 @@ KEYWORDS = (
     "grid",
     "optimizer",
     "fixed_steps",
+    "progress",
 )
 
 

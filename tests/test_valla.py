@@ -69,6 +69,7 @@ def _exact_evidence(model, x, y) -> torch.Tensor:
 def _valla(model, z, **kw) -> VaLLA:
     kw.setdefault("alpha", 0.0)
     kw.setdefault("learn_prior", False)
+    kw.setdefault("mean_kl", True)  # the weight-space KL: the ELBO bounds the LLA evidence
     return VaLLA(
         model,
         "regression",
@@ -250,3 +251,52 @@ def test_bad_input(problem) -> None:
         VaLLA(model, "regression", num_inducing=4, kernel="ntk", learn_inducing=True)
     with pytest.raises(RuntimeError, match="fit"):
         VaLLA(model, "regression", num_inducing=4).predict(x)
+
+
+def test_hyperparameters_take_steps_of_hyper_lr(problem) -> None:
+    """Adam's first step moves each coordinate by its step size (the bias-corrected m / sqrt(v)
+    is the gradient's sign): log prior and log noise by ``hyper_lr``, Z by ``lr``."""
+    model, x, y = problem
+    post = VaLLA(
+        model, "regression", num_inducing=4, prior_precision=PRIOR, sigma_noise=SIGMA,
+        learn_inducing=True, learn_noise=True, lr=1e-3, hyper_lr=0.25, schedule="constant",
+    )  # fmt: skip
+    post.initialize((x, y))
+    with torch.no_grad():  # away from q(u) = p(u), where Sigma(x, x) does not depend on Z
+        post.chol_raw.copy_(0.3 * torch.randn(post.chol_raw.shape, dtype=DTYPE).tril())
+    z0 = post.inducing_points.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        post.step(x, y)
+    moved = (post.prior_precision.log() - math.log(PRIOR)).abs()
+    torch.testing.assert_close(moved, torch.tensor(0.25, dtype=DTYPE), rtol=1e-4, atol=0)
+    moved = (post.sigma_noise.log() - math.log(SIGMA)).abs()
+    torch.testing.assert_close(moved, torch.tensor(0.25, dtype=DTYPE), rtol=1e-4, atol=0)
+    dz = (post.inducing_points.detach() - z0).abs()  # Adam's eps shortens tiny gradients' steps
+    assert float(dz.max()) == pytest.approx(1e-3, rel=1e-4) and bool((dz <= 1e-3 + 1e-12).all())
+    with pytest.raises(ValueError, match="hyper_lr: must be > 0"):
+        VaLLA(model, "regression", num_inducing=4, hyper_lr=0.0)
+
+
+def test_default_kl_is_the_papers_kl_of_q_u(problem) -> None:
+    """eq. (20) as in the paper: KL(q(u) || p(u)) only; ``mean_kl=True`` adds the anchored
+    mean's 1/2 theta*^T P0 theta* (constant in q(u), it pulls a learned prior down)."""
+    model, x, y = problem
+    kw = dict(num_inducing=4, prior_precision=2.5, sigma_noise=SIGMA)
+    paper = VaLLA(model, "regression", **kw).initialize((x, y))
+    full = VaLLA(model, "regression", mean_kl=True, **kw).initialize((x, y))
+    with torch.no_grad():
+        paper.chol_raw.copy_(0.3 * torch.randn(paper.chol_raw.shape, dtype=DTYPE))
+        full.chol_raw.copy_(paper.chol_raw)
+    zero = torch.zeros(paper.kernel_zz.shape[0], dtype=DTYPE)
+    expected = kl_divergence(
+        MultivariateNormal(zero, paper.inducing_covariance),
+        MultivariateNormal(zero, paper.kernel_zz),
+    )
+    torch.testing.assert_close(paper.kl(), expected, rtol=1e-8, atol=1e-8)
+    mean_term = 0.5 * 2.5 * paper.theta_star.square().sum()
+    torch.testing.assert_close(full.kl() - paper.kl(), mean_term, rtol=1e-10, atol=1e-10)
+    b_paper, b_full = paper.batch_objective(x, y), full.batch_objective(x, y)
+    torch.testing.assert_close(b_paper - b_full, mean_term, rtol=1e-10, atol=1e-10)
+    with pytest.raises(TypeError, match="mean_kl: expected True or False"):
+        VaLLA(model, "regression", num_inducing=4, mean_kl=1)

@@ -26,10 +26,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import torch
+
 __all__ = [
     "ArgumentParser",
     "UsageError",
+    "add_device_argument",
     "add_progress_argument",
+    "device_argument",
     "finite_float",
     "nonnegative_int",
     "one_line",
@@ -38,6 +42,7 @@ __all__ = [
     "prepare_output_dir",
     "prepare_output_file",
     "run_reporting_errors",
+    "synchronize",
 ]
 
 PREFIX = "gaussify: error: "
@@ -223,3 +228,32 @@ def run_reporting_errors(call: Callable[[], int], debug: bool = False) -> int:
         hint = "" if _raised_inside_gaussify(err) else " (--debug shows the traceback)"
         print(f"{PREFIX}{one_line(err)}{hint}", file=sys.stderr)
         return 2
+
+
+def device_argument(text: str) -> torch.device:
+    """``--device`` value: a torch device name ("cpu", "cuda", "cuda:1"), refused when it is not
+    one or when CUDA is named on a machine without it."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
+    return device
+
+
+def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
+    """``--device`` (default cpu): where a script puts its models and data."""
+    parser.add_argument(
+        "--device",
+        type=device_argument,
+        default=torch.device(default),
+        help=f"torch device for the models and the data (default {default}; e.g. cuda, cuda:1)",
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously): call before reading
+    a clock, so a timing covers the work and not only its launch. No-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -351,14 +351,17 @@ _REGISTRY: dict[str, type] = {
 
 
 def check_sigma_noise(
-    sigma_noise: float | Tensor, task: str, dtype: torch.dtype | None = None
+    sigma_noise: float | Tensor,
+    task: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> Tensor:
-    """``sigma_noise`` as a tensor (in ``dtype`` if given): a scalar or one value per output
-    (C,); a one-element (1,) tensor is the scalar it holds (so it broadcasts over any number
-    of outputs). Every entry must be finite and > 0. Only a regression likelihood has
-    observation noise: for any other ``task`` the noise would be ignored, so a value other
-    than 1 raises instead."""
-    sigma = torch.as_tensor(sigma_noise, dtype=dtype)
+    """``sigma_noise`` as a tensor (in ``dtype`` and on ``device`` if given): a scalar or one
+    value per output (C,); a one-element (1,) tensor is the scalar it holds (so it broadcasts
+    over any number of outputs). Every entry must be finite and > 0. Only a regression
+    likelihood has observation noise: for any other ``task`` the noise would be ignored, so a
+    value other than 1 raises instead."""
+    sigma = torch.as_tensor(sigma_noise, dtype=dtype, device=device)
     if sigma.ndim > 1:
         raise ValueError(
             f"sigma_noise: expected a scalar or a (C,) tensor, got shape {tuple(sigma.shape)}"

@@ -103,13 +103,13 @@ def marglik_training(
     batches = as_batches(data, batch_size=batch_size, shuffle=True, generator=generator)
     fit_batches = as_batches(data, batch_size=max(batch_size, 256))
     n_data = num_examples(batches)
-    dtype = next(model.parameters()).dtype
+    dd = {"dtype": next(model.parameters()).dtype, "device": next(model.parameters()).device}
     all_names = select_parameters(model, "all").names
     # the posterior's per-tensor priors are those of its subset's tensors
     in_subset = [all_names.index(n) for n in select_parameters(model, subset).names]
     n_prior = 1 if prior_structure == "scalar" else len(all_names)
-    log_delta = torch.full((n_prior,), float(prior_precision), dtype=dtype).log()
-    log_sigma = torch.tensor(float(sigma_noise), dtype=dtype).log()
+    log_delta = torch.full((n_prior,), float(prior_precision), **dd).log()
+    log_sigma = torch.tensor(float(sigma_noise), **dd).log()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     history = MarglikHistory()
     best: tuple[float, dict[str, Tensor], Laplace] | None = None
@@ -125,7 +125,7 @@ def marglik_training(
         delta_subset = _prior(log_delta, prior_structure, in_subset).detach()
         sigma = log_sigma.detach().exp()
         batch_lik = get_likelihood("regression", sigma_noise=sigma) if regression else lik
-        total = 0.0
+        total: Tensor | float = 0.0  # summed on the model's device: one host read per epoch
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
             nll = -batch_lik.log_prob(model(x), y).mean()
@@ -134,8 +134,8 @@ def marglik_training(
                 raise FloatingPointError(f"marglik_training: loss became {loss.item()}")
             loss.backward()
             opt.step()
-            total += loss.item() * x.shape[0]
-        history.loss.append(total / n_data)
+            total = total + loss.detach().double() * x.shape[0]
+        history.loss.append(float(total) / n_data)
         if epoch <= burnin or epoch % marglik_frequency != 0:
             continue
         model.eval()

@@ -4,7 +4,9 @@
   network in evaluation mode (dropout off, batch norm on its running statistics), but the
   model belongs to the user. Every module's ``training`` flag is recorded, the model is put
   in eval mode, and each flag is restored afterwards -- also when the body raises -- so a
-  model in train mode with a frozen (eval) submodule comes back exactly so.
+  model in train mode with a frozen (eval) submodule comes back exactly so. Inside the block
+  PyTorch's fused attention fast paths are off (:func:`gaussify.fastpath.autodiff_safe`), so
+  every family's Jacobian, curvature and predictive passes work on transformers.
 * :func:`warn_if_squashed_output`: the classification and binary likelihoods apply softmax /
   sigmoid to the model's outputs (logits). A model whose last module is already
   ``nn.Softmax`` / ``nn.LogSoftmax`` / ``nn.Sigmoid`` / ``nn.LogSigmoid`` hands them
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from gaussify.fastpath import autodiff_safe
 from gaussify.warnings import SquashedOutputWarning
 
 __all__ = ["eval_mode", "in_eval_mode", "last_module", "warn_if_squashed_output"]
@@ -35,11 +38,14 @@ SQUASHING = (nn.Softmax, nn.LogSoftmax, nn.Sigmoid, nn.LogSigmoid, nn.Softmin)
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Put ``model`` in eval mode inside the block; restore every submodule's own
-    ``training`` flag on exit (also on an exception)."""
+    ``training`` flag on exit (also on an exception). PyTorch's fused attention fast paths
+    are off inside the block (:func:`gaussify.fastpath.autodiff_safe`, warning once per model
+    that holds one)."""
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        yield model
+        with autodiff_safe(model):
+            yield model
     finally:
         for module, training in flags:
             module.training = training

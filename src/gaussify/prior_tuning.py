@@ -111,10 +111,12 @@ def maximise_evidence(
     prior_centre: float | None,
     noise_start: float | None,
     caller: str,
+    progress: bool = False,
 ) -> TuningResult:
     """Maximise ``evidence`` over log P0 (from ``start``; the granularity is its shape) and,
     with ``tune_noise``, log sigma, by :func:`gaussify.tuning.tune_hyperparameters` with
-    ``options``; ``prior_centre`` / ``noise_start`` are the data-scale starts."""
+    ``options``; ``prior_centre`` / ``noise_start`` are the data-scale starts; ``progress``
+    counts the evidence evaluations on a ``tqdm`` bar."""
     return tune_hyperparameters(
         evidence,
         start,
@@ -127,6 +129,7 @@ def maximise_evidence(
         fixed_steps=options.fixed_steps,
         noise_start=noise_start,
         caller=caller,
+        progress=progress,
     )
 
 
@@ -174,6 +177,7 @@ class EvidenceTuning:
         grid: Tensor | Sequence[float] | None = None,
         optimizer: Optimizer = "lbfgs",
         fixed_steps: bool = False,
+        progress: bool = False,
     ) -> TunedT:
         """Type-II maximum likelihood of the prior precision P0 (and, for a scalar-noise
         regression likelihood, the noise sigma): maximise the family's log evidence
@@ -190,7 +194,10 @@ class EvidenceTuning:
         form from the curvature's eigenvalues where they diagonalise the prior, O(P) per call;
         else autograd through the dense evidence), FunctionalLaplace's function-space GP
         evidence, ELLA's Nystrom evidence. ``data`` is fitted first when the posterior is not
-        fitted yet. The outcome is kept in :attr:`tuning_result`; on an error nothing changes."""
+        fitted yet. ``progress=True`` shows the stages on ``tqdm`` bars: Laplace's factorisation
+        of the curvature (e.g. a full GGN's ``eigvalsh``, or ``eigh`` when the non-MAP
+        correction needs eigenvectors) and the evidence evaluations. The outcome is kept in
+        :attr:`tuning_result`; on an error nothing changes."""
         options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
         check_choice(granularity, "granularity", self.prior_granularities)
         if data is not None and not self._is_fitted():
@@ -198,10 +205,10 @@ class EvidenceTuning:
         self._require_fit()
         tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
         if options.method == "grid":
-            evidence, dtype = self._grid_evidence()
+            evidence, dtype = self._grid_evidence(progress)
             result = grid_search(evidence, options.grid, dtype)
         else:
-            problem = self._evidence_problem(granularity, tune_noise)
+            problem = self._evidence_problem(granularity, tune_noise, progress)
             result = maximise_evidence(
                 problem.evidence,
                 problem.start,
@@ -211,6 +218,7 @@ class EvidenceTuning:
                 prior_centre=problem.prior_centre,
                 noise_start=problem.noise_start,
                 caller=f"{type(self).__name__}.optimize_prior",
+                progress=progress,
             )
         self._set_tuned(result, granularity)
         self.tuning_result = result
@@ -220,12 +228,15 @@ class EvidenceTuning:
         return self._fitted
 
     def _grid_evidence(
-        self,
+        self, progress: bool
     ) -> tuple[ClosedFormEvidence | Callable[[Tensor], Tensor], torch.dtype]:
-        """The scalar-prior evidence (P0, sigma) -> log Z searched on the grid, and its dtype."""
+        """The scalar-prior evidence P0 -> log Z searched on the grid, and its dtype
+        (``progress``: show a long set-up as a stage)."""
         raise NotImplementedError
 
-    def _evidence_problem(self, granularity: str, tune_noise: bool) -> EvidenceProblem:
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
         raise NotImplementedError
 
     def _set_tuned(self, result: TuningResult, granularity: str) -> None:

@@ -140,7 +140,9 @@ def train_map(
         epoch_iter = tqdm(epoch_iter, desc="MAP training", unit="epoch")
     model.train()
     for epoch in epoch_iter:
-        total_nll, seen = 0.0, 0
+        # summed on the model's device: one host read per epoch, not one per step
+        total_nll: Tensor | float = 0.0
+        seen = 0
         for x, y in batches:
             opt.zero_grad(set_to_none=True)
             nll = -lik.log_prob(model(x), y).sum()
@@ -152,12 +154,12 @@ def train_map(
                 )
             loss.backward()
             opt.step()
-            total_nll += nll.item()
+            total_nll = total_nll + nll.detach().double()
             seen += x.shape[0]
         if sched is not None:
             sched.step()
         with torch.no_grad():
-            mean_nll = total_nll / seen
+            mean_nll = float(total_nll) / seen
             history.nll.append(mean_nll)
             history.loss.append(mean_nll - prior_term().item() / n_data)
         if progress and hasattr(epoch_iter, "set_postfix"):

@@ -44,14 +44,23 @@ the result says so (``converged=False``, ``message``) and a
 :class:`gaussify.warnings.ConvergenceWarning` is emitted. The argument checks
 (:func:`gaussify.validation.check_count`, :func:`check_positive`, :func:`check_grid`) raise
 ``ValueError`` naming the argument.
+
+Progress (``progress=True``, the library's convention: a ``tqdm.auto`` bar on stderr, off by
+default): the evidence evaluations are counted on one bar (``<caller>: evidence``, unit
+"eval"); a long factorisation before them (a full GGN's ``eigvalsh`` / ``eigh``, which cannot
+report its own progress) is shown as one stage by :func:`progress_stage`, whose elapsed time
+is refreshed once a second while the factorisation runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import threading
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -72,9 +81,11 @@ __all__ = [
     "check_grid",
     "check_positive",
     "check_tuning_arguments",
+    "decomposition_stage",
     "grid_search",
     "maximize",
     "prior_from_weights",
+    "progress_stage",
     "residual_rms",
     "tune_hyperparameters",
 ]
@@ -199,12 +210,15 @@ class _Objective:
         self.device = prior_init.device
         self.sigma_init = sigma_init
         self.calls = 0
+        self.on_call: Callable[[], object] | None = None  # progress hook, once per call
         self.last_error: Exception | None = None
         eps = 2.2e-16 if self.closed_form else float(torch.finfo(self.dtype).eps)
         self.precision = math.sqrt(eps)  # relative accuracy of a gradient from a float objective
 
     def __call__(self, x: np.ndarray, grad: bool = True) -> tuple[float, np.ndarray]:
         self.calls += 1
+        if self.on_call is not None:
+            self.on_call()
         k = self.k
         if self.closed_form:
             log_sigma = float(x[k]) if self.tune_noise else None
@@ -441,6 +455,7 @@ def tune_hyperparameters(
     prior_centre: float | None = None,
     fixed_steps: bool = False,
     caller: str = "optimize_prior",
+    progress: bool = False,
 ) -> TuningResult:
     """Maximise the log evidence over log prior precision (shape of ``prior_init``) and, with
     ``tune_noise``, log noise (scalar ``sigma_init``), as the module doc describes; at most
@@ -451,7 +466,10 @@ def tune_hyperparameters(
     ``n_steps`` Adam steps (``lr``) from the given values, without the start grid, the early
     stop or the warning (laplace-torch's marglik tuning, for :mod:`gaussify.compat`); the
     result still says whether the end point passes the convergence test. Otherwise warns with
-    :class:`ConvergenceWarning` (naming ``caller``) when the run is not converged."""
+    :class:`ConvergenceWarning` (naming ``caller``) when the run is not converged.
+    ``progress=True`` counts the evidence evaluations on a ``tqdm`` bar."""
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress: expected True or False, got {progress!r}")
     n_steps = check_count(n_steps, "n_steps")
     lr = check_positive(lr, "lr")
     grad_tol = check_positive(grad_tol, "grad_tol")
@@ -465,6 +483,51 @@ def tune_hyperparameters(
     if prior64.numel() == 0 or not bool((torch.isfinite(prior64) & (prior64 > 0)).all()):
         raise ValueError("prior_precision: the start must be finite and > 0")
     objective = _Objective(evidence, prior_init.detach(), sigma_init, tune_noise)
+    bar = _evaluation_bar(caller, progress)
+    if bar is not None:
+        objective.on_call = bar.update
+    try:
+        result = _tune(
+            objective,
+            prior64,
+            sigma_init,
+            tune_noise,
+            n_steps,
+            lr,
+            optimizer,
+            grad_tol,
+            rel_tol,
+            noise_start,
+            start_grid,
+            prior_centre,
+            fixed_steps,
+            caller,
+            prior_init,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    return result
+
+
+def _tune(
+    objective: _Objective,
+    prior64: Tensor,
+    sigma_init: Tensor | None,
+    tune_noise: bool,
+    n_steps: int,
+    lr: float,
+    optimizer: Optimizer,
+    grad_tol: float,
+    rel_tol: float,
+    noise_start: float | None,
+    start_grid: bool,
+    prior_centre: float | None,
+    fixed_steps: bool,
+    caller: str,
+    prior_init: Tensor,
+) -> TuningResult:
+    """The body of :func:`tune_hyperparameters` after the argument checks."""
     k = objective.k
     x_user = np.log(prior64.numpy())
     starts = [x_user]
@@ -520,9 +583,9 @@ def tune_hyperparameters(
     sigma = None
     if tune_noise:
         assert sigma_init is not None
-        sigma = torch.as_tensor(math.exp(opt.x[k]), dtype=sigma_init.dtype).reshape(
-            sigma_init.shape
-        )
+        sigma = torch.as_tensor(
+            math.exp(opt.x[k]), dtype=sigma_init.dtype, device=sigma_init.device
+        ).reshape(sigma_init.shape)
     grad_norm = float(np.max(np.abs(opt.grad))) if opt.grad.size else 0.0
     result = TuningResult(
         prior_precision=prior.reshape(prior_init.shape),
@@ -542,9 +605,63 @@ def tune_hyperparameters(
             f"{result.value:.6g}; {result.message}); raise n_steps or check the result's "
             "tuning_result",
             ConvergenceWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
     return result
+
+
+def _evaluation_bar(caller: str, enabled: bool) -> Any:
+    """A ``tqdm`` bar counting evidence evaluations, or None when progress is off."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(desc=f"{caller}: evidence", unit="eval")
+
+
+def decomposition_stage(
+    curvature: object, vectors: bool, enabled: bool, caller: str = "Laplace.optimize_prior"
+) -> contextlib.AbstractContextManager[None]:
+    """A :func:`progress_stage` around a closed-form evidence's set-up when ``curvature``
+    (duck-typed: ``pending_decomposition(vectors) -> name | None``, ``num_params``) will run a
+    factorisation for it (eigenvectors needed: ``vectors``); a no-op otherwise."""
+    pending = getattr(curvature, "pending_decomposition", None)
+    name = pending(vectors) if enabled and pending is not None else None
+    size = getattr(curvature, "num_params", "?")
+    return progress_stage(
+        f"{caller}: {name} of the {size} x {size} curvature", enabled and name is not None
+    )
+
+
+@contextlib.contextmanager
+def progress_stage(desc: str, enabled: bool, *, refresh_s: float = 1.0) -> Iterator[None]:
+    """Show one long step (e.g. a dense eigendecomposition that cannot report its own
+    progress) as a one-step ``tqdm`` bar named ``desc``, completed when the block ends; a
+    daemon thread refreshes its elapsed time every ``refresh_s`` seconds meanwhile (the
+    LAPACK call releases the GIL). Does nothing when ``enabled`` is False."""
+    if not enabled:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=1, desc=desc, unit="stage")
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(refresh_s):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    start = time.perf_counter()
+    ticker.start()
+    try:
+        yield
+        bar.update(1)
+    finally:
+        done.set()
+        ticker.join()
+        bar.set_postfix_str(f"{time.perf_counter() - start:.1f} s", refresh=True)
+        bar.close()
 
 
 def check_tuning_arguments(

@@ -106,8 +106,9 @@ def first_layer_width(model: nn.Module | None) -> tuple[str, int, int | None, bo
     """What the model's first layer expects, where it is determinable from the module tree:
     ``("in_features", width, None, flattened)`` for a first ``nn.Linear`` (``flattened``:
     an ``nn.Flatten()`` before it), ``("in_channels", channels, spatial_dims, False)`` for a
-    first convolution; None for any other model (a custom ``forward`` may apply its modules
-    in any order, so nothing is assumed about it)."""
+    first convolution, ``("num_embeddings", vocabulary, None, False)`` for a first
+    ``nn.Embedding`` (token ids); None for any other model (a custom ``forward`` may apply
+    its modules in any order, so nothing is assumed about it)."""
     flattened = False
     module = model
     while isinstance(module, nn.Sequential):
@@ -128,6 +129,8 @@ def first_layer_width(model: nn.Module | None) -> tuple[str, int, int | None, bo
         return None
     if type(module) is nn.Linear:
         return ("in_features", module.in_features, None, flattened)
+    if type(module) is nn.Embedding and not flattened:
+        return ("num_embeddings", module.num_embeddings, None, False)
     conv_dims = _CONVS.get(type(module))
     if conv_dims is not None and not flattened:
         return ("in_channels", module.in_channels, conv_dims, False)  # type: ignore[arg-type]
@@ -157,7 +160,8 @@ def check_inputs(
     (unless ``allow_empty``) one row; finite (first bad row named); a floating ``x`` in the
     model's parameter dtype; and as wide as the model's first layer where that is known
     (:func:`first_layer_width`). Integer inputs (token ids) are accepted unless the first
-    layer is linear or convolutional. Returns ``x``."""
+    layer is linear or convolutional; for a first ``nn.Embedding`` they must be integer ids
+    in [0, num_embeddings). Returns ``x``."""
     if not isinstance(x, Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim == 0:
@@ -167,6 +171,8 @@ def check_inputs(
     check_finite(x, name, offset)
     dtype = _model_dtype(model)
     layer = first_layer_width(model)
+    if layer is not None and layer[0] == "num_embeddings":
+        return _check_token_ids(x, name, layer[1], offset)
     mismatch = dtype is not None and dtype.is_floating_point and x.dtype != dtype
     if mismatch and (x.is_floating_point() or x.is_complex() or layer is not None):
         raise ArgumentTypeError(
@@ -191,6 +197,25 @@ def check_inputs(
                 f"{name}: expected {width} channels (the first layer's in_channels), "
                 f"got {x.shape[1]}"
             )
+    return x
+
+
+def _check_token_ids(x: Tensor, name: str, vocabulary: int, offset: int) -> Tensor:
+    """Token ids for a first ``nn.Embedding``: an integer tensor with values in
+    [0, vocabulary) (the first row outside named)."""
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ArgumentTypeError(
+            f"{name}: the model's first layer is an nn.Embedding, which takes integer token "
+            f"ids, got dtype {x.dtype}"
+        )
+    bad = (x < 0) | (x >= vocabulary)
+    if x.numel() and bool(bad.any()):
+        row = int(bad.reshape(x.shape[0], -1).any(1).nonzero()[0, 0])
+        value = int(x[row][bad[row]].reshape(-1)[0])
+        raise ValueError(
+            f"{name}: row {row + offset} holds token id {value}, outside [0, {vocabulary}) "
+            "(the first nn.Embedding's num_embeddings)"
+        )
     return x
 
 

@@ -7,11 +7,14 @@
   Newton model predicted an impossible log-likelihood (:mod:`gaussify.evidence`).
 * :class:`ConvergenceWarning`: hyperparameter tuning stopped unconverged
   (:mod:`gaussify.tuning`).
+* :class:`FastPathWarning`: the model uses PyTorch's fused attention fast path (or an
+  operation without a forward-mode derivative) and gaussify routes its Jacobian passes around
+  it (:mod:`gaussify.fastpath`).
 """
 
 from __future__ import annotations
 
-__all__ = ["ConvergenceWarning", "EvidenceWarning", "SquashedOutputWarning"]
+__all__ = ["ConvergenceWarning", "EvidenceWarning", "FastPathWarning", "SquashedOutputWarning"]
 
 
 class ConvergenceWarning(UserWarning):
@@ -30,3 +33,11 @@ class EvidenceWarning(UserWarning):
     """The Laplace log evidence was evaluated without the non-MAP correction (thesis
     Thm 3.3) because that correction's quadratic model of the log-likelihood reached a value
     above the likelihood's supremum (0 for class labels): see :mod:`gaussify.evidence`."""
+
+
+class FastPathWarning(UserWarning):
+    """The model hits one of PyTorch's fused fast paths (``nn.MultiheadAttention`` /
+    ``nn.TransformerEncoderLayer`` in eval mode, fused ``scaled_dot_product_attention``
+    kernels), which have no forward-mode derivative, or another operation without one: gaussify
+    disabled the fast path (or fell back to reverse-mode Jacobians) for its passes. The
+    network's function is unchanged; shown once per model."""

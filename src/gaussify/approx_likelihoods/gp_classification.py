@@ -607,12 +607,13 @@ class GPClassifier(DeclaredCapabilities):
             raise ValueError("link: 'bridge' approximates softmax outputs; use 'probit' or 'mc'")
         mu, var = self.predict_latent(x, chunk_size)
         if link == "mc":
-            probs = torch.zeros(mu.shape[0], self._probs(mu[:1]).shape[-1], dtype=mu.dtype)
+            probs = mu.new_zeros(mu.shape[0], self._probs(mu[:1]).shape[-1])
             std = var.sqrt()
             per = max(1, (2**22) // max(1, mu.numel()))  # samples per block: bounded memory
             for start in range(0, num_samples, per):
                 s = min(per, num_samples - start)
                 eps = torch.randn((s, *mu.shape), generator=generator, dtype=mu.dtype)
+                eps = eps.to(mu.device)  # drawn where the generator lives, then moved
                 probs += self._probs(mu + std * eps).sum(0)
             probs /= num_samples
         elif link == "probit":

@@ -192,7 +192,7 @@ def variational_reparam(
     reproducible; the Monte Carlo error shrinks like ``1/num_samples``.
     """
     mean = torch.as_tensor(mean)
-    probs = (torch.arange(num_samples, dtype=mean.dtype) + 0.5) / num_samples
+    probs = (torch.arange(num_samples, dtype=mean.dtype, device=mean.device) + 0.5) / num_samples
     z = torch.special.ndtri(probs).reshape(-1, *([1] * mean.ndim))
     mu = mean.detach().clone().requires_grad_(True)
     log_sigma = (0.5 * torch.as_tensor(var).to(mean).log()).detach().clone().requires_grad_(True)

@@ -575,6 +575,17 @@ class FullGGN(GaussNewtonCurvature):
             )
         return evals.clamp_min(0.0)
 
+    def pending_decomposition(self, vectors: bool) -> str | None:
+        """The factorisation :meth:`spectrum` will run now: ``"eigh"`` when eigenvectors are
+        needed (``vectors``) and not cached, ``"eigvalsh"`` when only the eigenvalues are
+        needed and neither they nor the eigendecomposition are cached, else None (for a
+        progress display; the choice itself is made by :meth:`spectrum`)."""
+        if self._eig is not None or (vectors and self._eig_failed):
+            return None
+        if vectors:
+            return "eigh"
+        return None if self._evals is not None else "eigvalsh"
+
     def spectrum(
         self, groups: Tensor, vectors: list[Tensor]
     ) -> tuple[Tensor, Tensor, list[Tensor]] | None:

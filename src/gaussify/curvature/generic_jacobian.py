@@ -25,11 +25,12 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.func as tfunc
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import jacrev, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gaussify.curvature.subset import ParameterSubset, require_whole_tensors, select_parameters
+from gaussify.fastpath import forward_ad_unsupported, functional_call, warn_reverse_mode
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
@@ -243,7 +244,8 @@ def jvp_with_outputs(
     """(f (N, C), J v (N, C)): outputs and Jacobian-vector products J_n v for one v (P,).
 
     Forward-mode ``torch.func.jvp`` of the batched network (the linearised network's change,
-    thesis eq. 2.26), chunked over samples.
+    thesis eq. 2.26), chunked over samples; where an operation has no forward-mode derivative,
+    J_n from reverse mode times v (:mod:`gaussify.fastpath`, warned once per model).
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
@@ -255,7 +257,14 @@ def jvp_with_outputs(
     chunk = n if chunk_size is None else auto_chunk_size(n, 1, chunk_size)
     outs, prods = [], []
     for sl in chunk_slices(n, max(chunk, 1)):
-        out, prod = tfunc.jvp(_batch_fn(model, frozen, x[sl]), (params,), (tangents,))
+        try:
+            out, prod = tfunc.jvp(_batch_fn(model, frozen, x[sl]), (params,), (tangents,))
+        except (NotImplementedError, RuntimeError) as error:
+            if not forward_ad_unsupported(error):
+                raise
+            warn_reverse_mode(model, error)
+            out = model_outputs(model, x[sl])
+            prod = torch.einsum("ncp,p->nc", jacobians(model, x[sl], subset), v.to(out.dtype))
         if not torch.isfinite(prod).all():
             raise ValueError(
                 "NaN Jacobian-vector product: the network is not differentiable at the current "

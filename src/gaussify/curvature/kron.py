@@ -51,6 +51,7 @@ adapters in :mod:`gaussify.curvature.kron_modules`, the traced GLM predictive in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -60,20 +61,23 @@ from torch import Tensor, nn
 
 from gaussify.curvature.base import check_offset, summed_hessian
 from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
     chain_capture,
     chain_output_grams,
     gram,
-    input_gram,
-    layer_output_grads,
 )
+from gaussify.curvature.kron_mha import capture_attention
 from gaussify.curvature.kron_modules import (
     _build_layers,
     _columns,
     _display,
     _Layer,
     _subset_offsets,
+    add_input_factor,
+    block_index,
+    output_grads,
 )
 from gaussify.curvature.kron_posterior import (
     KronPosteriorPrecision,
@@ -81,6 +85,7 @@ from gaussify.curvature.kron_posterior import (
     kron_block_eigh,
 )
 from gaussify.curvature.kron_predictive import traced_predictive
+from gaussify.curvature.layer_traces import _graph_uses
 from gaussify.curvature.subset import (
     check_prior,
     expand_prior,
@@ -105,6 +110,20 @@ def _as_tensor(value: Tensor | float, like: Tensor) -> Tensor:
     return torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
+def _traced(ly: _Layer | None, names: list[str]) -> tuple[str | None, tuple[str, ...]]:
+    """(module, columns) of a block for the traced predictive: only a plain layer's block
+    (not an exact block, an Embedding's transposed one or an attention's projection)."""
+    if ly is None or ly.part or ly.transposed:
+        return None, ()
+    return ly.path, _columns(ly, names)
+
+
+def _rotate(m: Tensor, q_out: Tensor, q_in: Tensor | None) -> Tensor:
+    """``Q_out^T m Q_in`` in float64 (``Q_in = None``: the identity)."""
+    m = q_out.to(torch.float64).T @ m
+    return m if q_in is None else m @ q_in.to(torch.float64)
+
+
 @dataclass(frozen=True)
 class _Basis:
     """What every posterior of one fit shares (built once per fit, reused by every
@@ -115,10 +134,10 @@ class _Basis:
     (a joint block's weight), and the checked permutation ``(perm, inv_perm)``. A posterior
     step is then ``eig = scale * prod + prior[tensor]``: O(P), no factorisation."""
 
-    specs: list[tuple[_Layer, str, list[str]]]
+    specs: list[tuple[_Layer | None, str, list[str]]]
     index: list[Tensor]
     q_out: list[Tensor]
-    q_in: list[Tensor]
+    q_in: list[Tensor | None]
     shapes: list[tuple[int, int]]
     prod: Tensor
     prior_of: Tensor
@@ -136,8 +155,12 @@ class KronGGN:
     factors, normalisation, ordering and bias conventions. Memory is bounded by one batch of
     layer inputs and pre-activation gradients; no per-sample parameter Jacobians are formed.
 
-    ``subset``: "all", "last_layer", names, or a ParameterSubset; every module it touches must
-    be an ``nn.Linear`` or ``nn.Conv2d`` (groups=1), else ``ValueError`` names the module.
+    ``subset``: "all", "last_layer", names, or a ParameterSubset. ``nn.Linear`` (any leading
+    sequence dimensions), ``nn.Conv1d/2d/3d`` (groups=1), ``nn.Embedding`` (diagonal A) and
+    ``nn.MultiheadAttention``'s projections get Kronecker blocks
+    (:mod:`gaussify.curvature.kron_modules`); every other parameter an exact GGN block, full
+    up to ``exact_full_max`` entries (default 1024), diagonal above
+    (:mod:`gaussify.curvature.kron_exact`), so no model is refused.
     ``kfac_approx``: weight-sharing variant ("expand" | "reduce"); ``kron_bias``: "joint" |
     "separate" (module docstring); ``chunk_size``: samples per forward/backward chunk inside
     ``update`` (None = the whole batch). Exact KFAC costs C backward passes per chunk, MC KFAC
@@ -162,6 +185,7 @@ class KronGGN:
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
         kron_bias: KronBias = "joint",
+        exact_full_max: int = EXACT_FULL_MAX,
         **kw: Any,
     ) -> None:
         if kw:
@@ -180,6 +204,12 @@ class KronGGN:
             raise ValueError(f"kron_bias: expected 'joint' or 'separate', got {kron_bias!r}")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
             raise ValueError(f"mc_samples: expected an int >= 0, got {mc_samples!r}")
+        if (
+            isinstance(exact_full_max, bool)
+            or not isinstance(exact_full_max, int)
+            or (exact_full_max < 0)
+        ):
+            raise ValueError(f"exact_full_max: expected an int >= 0, got {exact_full_max!r}")
         if ef and mc_samples:
             raise ValueError(
                 "ef=True uses the observed targets; it cannot be combined with mc_samples > 0"
@@ -194,31 +224,44 @@ class KronGGN:
         self.kron_bias: KronBias = kron_bias
         self.generator = generator
         self.num_data = 0
-        self._layers = _build_layers(model, subset)
+        self._layers, exact = _build_layers(model, subset)
         self._offsets = _subset_offsets(subset)
-        ref = next(iter(subset.params(model).values()))
+        params = subset.params(model)
+        ref = next(iter(params.values()))
         dd = {"dtype": ref.dtype, "device": ref.device}
+        numels = [params[n].numel() for n in exact]
+        full = [k for k in numels if k <= exact_full_max]
 
         def big_side(ly: _Layer) -> int:
             return max(ly.a_dim, ly.out_features)
 
         big = max(self._layers, key=big_side, default=None)
         check_allocation(
-            sum(ly.a_dim**2 + ly.out_features**2 for ly in self._layers),
+            sum(
+                (ly.a_dim if ly.diagonal else ly.a_dim**2) + ly.out_features**2
+                for ly in self._layers
+            )
+            + sum(k * k for k in full)
+            + sum(numels),
             ref.dtype,
             "structure='kron': the Kronecker factors"
-            + ("" if big is None else f" (largest: {big.path!r}, side {big_side(big):,})"),
+            + ("" if big is None else f" (largest: {big.name!r}, side {big_side(big):,})"),
             "structure='diag' or 'lowrank', or a subset without that layer",
             device=ref.device,
         )
-        self._a = {ly.path: torch.zeros(ly.a_dim, ly.a_dim, **dd) for ly in self._layers}
+        self._a = {
+            ly.name: torch.zeros((ly.a_dim,) if ly.diagonal else (ly.a_dim, ly.a_dim), **dd)
+            for ly in self._layers
+        }
         self._b = {
-            ly.path: torch.zeros(ly.out_features, ly.out_features, **dd) for ly in self._layers
+            ly.name: torch.zeros(ly.out_features, ly.out_features, **dd) for ly in self._layers
         }
         # Sample counts in float64: N * T can pass float32's exact-integer range.
         self._m = {
-            ly.path: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
+            ly.name: torch.zeros((), dtype=torch.float64, device=ref.device) for ly in self._layers
         }
+        self._exact_full_max = exact_full_max
+        self._exact = ExactBlocks(model, exact, numels, exact_full_max, ref.dtype, ref.device)
         self._dtype = ref.dtype
         self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
         self._basis_cache: _Basis | None = None
@@ -287,23 +330,34 @@ class KronGGN:
     ) -> None:
         # an nn.Sequential of supported modules: one forward pass without a graph, and the K
         # output vectors go back together (kron_grams.chain_output_grams)
-        chained = chain_capture(model, list(modules), x)
+        chained = chain_capture(model, list(modules), x) if self._layers else None
         if chained is not None:
             run, captured = chained
             f = run.output
         else:
             f, captured = self._hooked_forward(model, modules, x)
-        for path, calls in captured.items():
-            if len(calls) != 1:
+        bad = self._not_kronecker(model, f, captured, chained is None)
+        if bad:
+            path, why = bad
+            if self.num_data:
                 raise ValueError(
-                    f"kron: module {_display(path)} ({type(modules[path]).__name__}) was called "
-                    f"{len(calls)} times in one forward pass; KFAC needs exactly one call per "
-                    "layer (use structure='full', 'diag' or 'lowrank' for shared modules)"
+                    f"kron: module {_display(path)} ({type(modules[path]).__name__}) {why} in "
+                    "this batch but not in the earlier ones; KFAC's blocks are fixed at the "
+                    "first batch"
                 )
+            warnings.warn(
+                f"kron: module {_display(path)} ({type(modules[path]).__name__}) {why}, so "
+                "its parameters have no Kronecker form; they get exact GGN blocks",
+                stacklevel=4,
+            )
+            self._demote(model, path)
+            modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
+            self._update_chunk(model, modules, x, y, offset)
+            return
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"kron: the model must return outputs f of shape (N, C), got {shape}")
-        outs = [captured[ly.path][0][1] for ly in self._layers]
+        outs = [captured[ly.name][0][1] for ly in self._layers]
         if self._final_only and any(o is not f for o in outs):
             self._final_only = False  # cannot happen for one model; redo with a graph
             self._update_chunk(model, modules, x, y, offset)
@@ -311,7 +365,7 @@ class KronGGN:
         for ly, o in zip(self._layers, outs, strict=True):
             if chained is None and o is not f and not o.requires_grad:
                 raise ValueError(
-                    f"kron: the output of module {_display(ly.path)} does not require grad; "
+                    f"kron: the output of module {_display(ly.name)} does not require grad; "
                     "are its parameters frozen or is the model run under torch.no_grad()?"
                 )
 
@@ -328,22 +382,23 @@ class KronGGN:
                 # the output layer alone: keep (f, its input features) for Laplace.fit,
                 # which then needs no forward pass of its own (GaussNewtonCurvature's
                 # ``last_outputs``)
-                phi = captured[final[0].path][0][0]
+                phi = captured[final[0].name][0][0]
                 self._kept = (at, phi) if phi.ndim == 2 else None
             exact = not self.ef and not self.mc_samples
             # exact on the chain route: the (K, B, C) vectors per chunk of samples, not all N
             rowwise = exact and chained is not None
-            vecs = self._output_vectors(at, y) if (inner and not rowwise) or not exact else None
+            wanted = (inner and not rowwise) or not exact or bool(self._exact.names)
+            vecs = self._output_vectors(at, y) if wanted else None
             for ly in final:
                 # The output layer's B is summed in float64 whatever the model's dtype: a
                 # softmax's sum_n Lambda_n has the exact null direction 1 (every Lambda_n 1 = 0;
                 # the residuals sum to 0 too), which float32 sums over N samples turn into an
                 # eigenvalue of order N * eps that the posterior multiplies by lambda(A) / M.
                 # C x C numbers, so the cost is nil.
-                b = self._b[ly.path]
+                b = self._b[ly.name]
                 if b.dtype != torch.float64:
-                    self._b[ly.path] = b = b.to(torch.float64)
-                if vecs is None:
+                    self._b[ly.name] = b = b.to(torch.float64)
+                if vecs is None or exact:
                     summed_hessian(self.likelihood, at.to(torch.float64), out=b)
                 else:
                     gram(vecs.transpose(0, 1).to(torch.float64), "expand", "sum", out=b)
@@ -368,24 +423,79 @@ class KronGGN:
                     materialize_grads=True,
                 )
                 for (ly, _), g in zip(inner, grads, strict=True):
-                    g = layer_output_grads(modules[ly.path], g)
-                    gram(g, self.kfac_approx, "sum", out=self._b[ly.path])
+                    g = output_grads(ly, modules[ly.path], g)
+                    gram(g, self._approx(ly), "sum", out=self._b[ly.name])
             for ly in self._layers:
-                self._m[ly.path] += input_gram(
-                    modules[ly.path],
-                    captured[ly.path][0][0],
-                    (ly.path, ly.weight is not None, ly.bias is not None),
-                    self.kfac_approx,
-                    self._a[ly.path],
+                inp = captured[ly.name][0][0]
+                if self._approx(ly) == "reduce" and inp.shape[0] != f.shape[0]:
+                    raise ValueError(
+                        f"kfac_approx='reduce' averages each data point's locations, but the "
+                        f"input of module {_display(ly.path)} has shape {tuple(inp.shape)}, "
+                        f"whose first dimension is not the {f.shape[0]} data points (e.g. a "
+                        "sequence-first layer); use kfac_approx='expand', which sums over all "
+                        "rows and does not depend on their order"
+                    )
+                self._m[ly.name] += add_input_factor(
+                    ly, modules[ly.path], inp, self.kfac_approx, self._a[ly.name]
                 )
+        if vecs is not None and self._exact.names:
+            self._exact.update(model, x, vecs)
         self.num_data += int(f.shape[0])
+
+    def _not_kronecker(
+        self, model: nn.Module, f: Tensor, captured: dict[str, list], hooked: bool
+    ) -> tuple[str, str] | None:
+        """(module path, reason) of the first layer that is not a single linear map in this
+        forward pass: called other than once (a module reused, or bypassed), or (hooked
+        route, first batch) a parameter that enters the graph of f more than once (a weight
+        tied to another module's)."""
+        for ly in self._layers:
+            calls = len(captured[ly.name])
+            if calls != 1:
+                return ly.path, f"was called {calls} times in one forward pass"
+        if not hooked or self.num_data or not isinstance(f, Tensor) or f.grad_fn is None:
+            return None
+        uses = _graph_uses(f)
+        for ly in self._layers:
+            if ly.part:  # the packed in-projection is sliced once per part by design
+                continue
+            for name in (ly.weight, ly.bias):
+                if name is not None and uses.get(id(model.get_parameter(name)), 0) > 1:
+                    return ly.path, f"shares its parameter {name!r} with another use"
+        return None
+
+    def _demote(self, model: nn.Module, path: str) -> None:
+        """Move every block of module ``path`` to exact blocks (before any data was added)."""
+        gone = [ly for ly in self._layers if ly.path == path]
+        names = set(self._exact.names)
+        for ly in gone:
+            names |= {n for n in (ly.weight, ly.bias) if n}
+            for store in (self._a, self._b, self._m):
+                store.pop(ly.name)
+        self._layers = [ly for ly in self._layers if ly.path != path]
+        ordered = [n for n in self.subset.names if n in names]
+        params = self.subset.params(model)
+        ref = params[ordered[0]]
+        self._exact = ExactBlocks(
+            model,
+            ordered,
+            [params[n].numel() for n in ordered],
+            self._exact_full_max,
+            ref.dtype,
+            ref.device,
+        )
+        self._invalidate()
+
+    def _approx(self, ly: _Layer) -> KFACApprox:
+        """The layer's weight-sharing variant: an Embedding always expands (module doc)."""
+        return "expand" if ly.diagonal else self.kfac_approx
 
     def _hooked_forward(
         self, model: nn.Module, modules: dict[str, nn.Module], x: Tensor
     ) -> tuple[Tensor, dict[str, list[tuple[Tensor, Tensor]]]]:
         """f and {path: [(input, output) of each call]} from a forward pass with hooks, with a
         graph unless every layer's output is the model output (learned on the first chunk)."""
-        captured: dict[str, list[tuple[Tensor, Tensor]]] = {p: [] for p in modules}
+        captured: dict[str, list[tuple[Tensor, Tensor]]] = {ly.name: [] for ly in self._layers}
 
         def make_hook(path: str):
             def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
@@ -393,9 +503,24 @@ class KronGGN:
 
             return hook
 
-        handles = [m.register_forward_hook(make_hook(p)) for p, m in modules.items()]
+        def record(path: str, part: str, inp: Tensor, out: Tensor) -> None:
+            key = f"{path}:{part}"
+            if key in captured:
+                captured[key].append((inp.detach(), out))
+
+        hooked = {ly.path for ly in self._layers if not ly.part}
+        # every attention owning a block (its in-projection, or out_proj, which only the
+        # functional forward calls as a module)
+        paths = {ly.path for ly in self._layers}
+        attention = {
+            p: m
+            for p, m in model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+            and (p in paths or (f"{p}.out_proj" if p else "out_proj") in paths)
+        }
+        handles = [modules[p].register_forward_hook(make_hook(p)) for p in hooked]
         try:
-            with torch.set_grad_enabled(not self._final_only):
+            with torch.set_grad_enabled(not self._final_only), capture_attention(attention, record):
                 f = model(x)
         finally:
             for h in handles:
@@ -411,14 +536,23 @@ class KronGGN:
         do not modify them in place. The B of a layer whose output is the model output is
         float64 whatever the model's dtype (see :meth:`update`)."""
         return {
-            ly.path: (self._a[ly.path], self._b[ly.path], self._m[ly.path]) for ly in self._layers
+            ly.name: (self._a[ly.name], self._b[ly.name], self._m[ly.name]) for ly in self._layers
         }
+
+    def exact_blocks(self) -> dict[str, Tensor]:
+        """``{parameter name: exact GGN block}``, ``(k, k)`` or its diagonal ``(k,)``, of the
+        parameters without a Kronecker form (:mod:`gaussify.curvature.kron_exact`)."""
+        return dict(self._exact.g)
 
     def _eigh(self, path: str, which: str) -> tuple[Tensor, Tensor]:
         key = (path, which)
         if key not in self._eig_cache:
             if which == "B":
                 mat = self._b[path]
+            elif which == "A" and self._a[path].ndim == 1:  # diagonal A: identity eigenbasis
+                a_diag = self._a[path].clamp_min(0).to(self._dtype)
+                self._eig_cache[key] = (a_diag, None)
+                return self._eig_cache[key]
             elif which == "A":
                 mat = self._a[path]
             elif which == "A_weight":
@@ -436,12 +570,21 @@ class KronGGN:
         specs = self._block_specs()
         position = {name: i for i, name in enumerate(self.subset.names)}
         index, q_out, q_in, shapes, prods, prior_of = [], [], [], [], [], []
+        device = self._exact_device()
         for ly, which, names in specs:
-            lam_b, q_b = self._eigh(ly.path, "B")
-            lam_a, q_a = self._eigh(ly.path, which)
-            m = self._m[ly.path].clamp_min(1.0).to(lam_a.dtype)
-            prod = torch.outer(lam_b, lam_a / m)
-            index.append(self._block_index(ly, names))
+            if ly is None:  # an exact block: one output row, B = [1], M = 1
+                lam_a, q_a = self._exact.eigh(names[0])
+                lam_a, q_a = lam_a.to(self._dtype), None if q_a is None else q_a.to(self._dtype)
+                q_b = torch.ones(1, 1, dtype=self._dtype, device=device)
+                prod = lam_a.unsqueeze(0)
+                off = self._offsets[names[0]]
+                index.append(off + torch.arange(prod.shape[1], device=device).unsqueeze(0))
+            else:
+                lam_b, q_b = self._eigh(ly.name, "B")
+                lam_a, q_a = self._eigh(ly.name, which)
+                m = self._m[ly.name].clamp_min(1.0).to(lam_a.dtype)
+                prod = torch.outer(lam_b, lam_a / m)
+                index.append(block_index(ly, names, self._offsets, device))
             q_out.append(q_b)
             q_in.append(q_a)
             shapes.append((prod.shape[0], prod.shape[1]))
@@ -464,28 +607,21 @@ class KronGGN:
         )
         return self._basis_cache
 
-    def _block_specs(self) -> list[tuple[_Layer, str, list[str]]]:
-        """``(layer, which A, parameter names)`` for each Kronecker block, in layer order."""
-        specs = []
+    def _exact_device(self) -> torch.device:
+        return next(iter((*self._b.values(), *self._exact.g.values()))).device
+
+    def _block_specs(self) -> list[tuple[_Layer | None, str, list[str]]]:
+        """``(layer, which A, parameter names)`` for each Kronecker block, in layer order,
+        then ``(None, "exact", [name])`` for each exact block."""
+        specs: list[tuple[_Layer | None, str, list[str]]] = []
         for ly in self._layers:
             if ly.weight and ly.bias and self.kron_bias == "separate":
                 specs.append((ly, "A_weight", [ly.weight]))
                 specs.append((ly, "A_bias", [ly.bias]))
             else:
                 specs.append((ly, "A", [n for n in (ly.weight, ly.bias) if n]))
+        specs += [(None, "exact", [name]) for name in self._exact.names]
         return specs
-
-    def _block_index(self, ly: _Layer, names: list[str]) -> Tensor:
-        """Subset positions of the block's ``(out, d)`` matrix entries."""
-        cols = []
-        rows = torch.arange(ly.out_features).unsqueeze(-1)
-        for name in names:
-            off = self._offsets[name]
-            if name == ly.weight:
-                cols.append(off + rows * ly.in_features + torch.arange(ly.in_features))
-            else:
-                cols.append(off + rows)
-        return torch.cat(cols, dim=-1).to(self._b[ly.path].device)
 
     def _tensor_priors(self, prior: Tensor) -> dict[str, Tensor] | Tensor:
         """The prior as one scalar, or one scalar per parameter tensor of the subset."""
@@ -522,7 +658,7 @@ class KronGGN:
         and bias may differ, also within a joint block), or (P,) values that are constant
         within each parameter tensor.
         """
-        ref = self._a[self._layers[0].path]  # the model's dtype (a final B is float64)
+        ref = torch.empty((), dtype=self._dtype, device=self._exact_device())  # model's dtype
         # Python floats go straight to the factors' dtype (as_tensor would round them to
         # float32 first); tensors are cast differentiably.
         prior = check_prior(_as_tensor(prior_precision, ref))
@@ -543,7 +679,7 @@ class KronGGN:
                     shifts[i] = priors[names[1]] - priors[names[0]]
         eigs = torch.split(eig_flat, [a * b for a, b in basis.shapes])
         blocks = [
-            _Block(index, q_b, q_a, eig.view(shape), shift, ly.path, _columns(ly, names))
+            _Block(index, q_b, q_a, eig.view(shape), shift, *_traced(ly, names))
             for index, q_b, q_a, eig, shape, shift, (ly, _, names) in zip(
                 basis.index,
                 basis.q_out,
@@ -579,7 +715,7 @@ class KronGGN:
         for v in vectors:
             v64 = v.to(torch.float64)
             parts = [
-                (q_b.to(torch.float64).T @ v64[index] @ q_a.to(torch.float64)).reshape(-1)
+                _rotate(v64[index], q_b, q_a).reshape(-1)
                 for index, q_b, q_a in zip(basis.index, basis.q_out, basis.q_in, strict=True)
             ]
             projections.append(torch.cat(parts))
@@ -590,9 +726,10 @@ class KronGGN:
         """Factors ``A.<path>``, ``B.<path>``, normalisers ``M.<path>`` and ``num_data``."""
         state: dict[str, Tensor] = {"num_data": torch.tensor(self.num_data)}
         for ly in self._layers:
-            state[f"A.{ly.path}"] = self._a[ly.path].clone()
-            state[f"B.{ly.path}"] = self._b[ly.path].clone()
-            state[f"M.{ly.path}"] = self._m[ly.path].clone()
+            state[f"A.{ly.name}"] = self._a[ly.name].clone()
+            state[f"B.{ly.name}"] = self._b[ly.name].clone()
+            state[f"M.{ly.name}"] = self._m[ly.name].clone()
+        state.update(self._exact.state())
         return state
 
     def state_schema(self) -> dict[str, Any]:
@@ -601,9 +738,10 @@ class KronGGN:
         schema: dict[str, Any] = {"num_data": Integer()}
         wide = (self._dtype, torch.float64)
         for ly in self._layers:
-            schema[f"A.{ly.path}"] = TensorSpec(tuple(self._a[ly.path].shape), self._dtype)
-            schema[f"B.{ly.path}"] = TensorSpec(tuple(self._b[ly.path].shape), wide)
-            schema[f"M.{ly.path}"] = TensorSpec((), torch.float64, nonnegative=True)
+            schema[f"A.{ly.name}"] = TensorSpec(tuple(self._a[ly.name].shape), self._dtype)
+            schema[f"B.{ly.name}"] = TensorSpec(tuple(self._b[ly.name].shape), wide)
+            schema[f"M.{ly.name}"] = TensorSpec((), torch.float64, nonnegative=True)
+        schema.update(self._exact.schema())
         return schema
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -611,7 +749,8 @@ class KronGGN:
         valid = validate_state(state, self.state_schema(), owner="KronGGN")
         for ly in self._layers:
             for prefix, store in (("A", self._a), ("B", self._b), ("M", self._m)):
-                value = valid[f"{prefix}.{ly.path}"]
-                store[ly.path] = value.to(device=store[ly.path].device).clone()
+                value = valid[f"{prefix}.{ly.name}"]
+                store[ly.name] = value.to(device=store[ly.name].device).clone()
+        self._exact.load(valid)
         self.num_data = valid["num_data"]
         self._invalidate()

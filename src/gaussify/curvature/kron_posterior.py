@@ -10,6 +10,12 @@ layer"); a per-parameter (P,) prior must be constant within each tensor. When a 
 weight and bias have different priors, the bias column carries an extra ``delta_b - delta_W``,
 which commutes with ``Q_b kron I``: per eigenvector of B it is a rank-one update handled
 exactly by Sherman-Morrison and the matrix determinant lemma.
+
+**Mixed blocks.** A block whose input factor is diagonal (``nn.Embedding``'s token counts)
+has ``q_in = None``, the identity; an exact GGN block of a parameter without a Kronecker form
+(:mod:`gaussify.curvature.kron_exact`) is a block with one output row, ``q_out = [[1]]`` and
+``q_in`` the eigenvectors of the exact block (or None for a diagonal one), so every operation
+below handles all blocks alike.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ class _Block:
 
     index: Tensor
     q_out: Tensor
-    q_in: Tensor
+    q_in: Tensor | None  # None: the identity (a diagonal A: nn.Embedding, diagonal exact blocks)
     eig: Tensor  # (out, d): eigenvalues of scale * G + delta_weight
     shift: Tensor | None = None
     #: the owning module's path and the block's columns, ("weight",), ("bias",) or
@@ -98,6 +104,7 @@ class _RankOne:
 def _rank_one(b: _Block) -> _RankOne | None:
     if b.shift is None:
         return None
+    assert b.q_in is not None  # a bias shift needs a joint weight+bias block
     u = b.q_in[-1]
     ue = u / b.eig
     h = (u * ue).sum(-1)
@@ -159,11 +166,13 @@ class KronPosteriorPrecision:
 
     @staticmethod
     def _to_eigbasis(b: _Block, m: Tensor) -> Tensor:
-        return b.q_out.mT @ m @ b.q_in
+        m = b.q_out.mT @ m
+        return m if b.q_in is None else m @ b.q_in
 
     @staticmethod
     def _from_eigbasis(b: _Block, m: Tensor) -> Tensor:
-        return b.q_out @ m @ b.q_in.mT
+        m = b.q_out @ m
+        return m if b.q_in is None else m @ b.q_in.mT
 
     @staticmethod
     def _bias_column(b: _Block, m: Tensor) -> Tensor:
@@ -184,7 +193,8 @@ class KronPosteriorPrecision:
     def _dense(self, covariance: bool) -> Tensor:
         mats = []
         for b, r1 in zip(self.blocks, self._r1, strict=True):
-            q = torch.kron(b.q_out, b.q_in)
+            q_in = b.q_in if b.q_in is not None else torch.eye(b.eig.shape[-1]).to(b.eig)
+            q = torch.kron(b.q_out.contiguous(), q_in.contiguous())
             if covariance:
                 mats.append(q @ self._inner_cov(b, r1) @ q.mT)
             else:
@@ -273,7 +283,7 @@ class KronPosteriorPrecision:
         ``s_ni = sum_j psi_nj^2 / E_ij - beta_i (ue_i . psi_n)^2``, the variance of the
         eigenbasis row i's coordinates along ``psi_n`` (rows are uncorrelated, also with the
         bias rank-one term, which is per row)."""
-        psi = feats.to(b.q_in.dtype) @ b.q_in  # (N, d)
+        psi = feats.to(b.eig.dtype) if b.q_in is None else feats.to(b.q_in.dtype) @ b.q_in
         s = psi.square() @ b.eig.reciprocal().mT
         if r1 is not None:
             s = s - r1.beta * (psi @ r1.ue.mT).square()
@@ -287,16 +297,20 @@ class KronPosteriorPrecision:
         self, traces: dict[str, tuple[Tensor, Tensor]], diagonal: bool = False
     ) -> Tensor:
         """``J Sigma J^T`` ``(N, C, C)`` (its diagonal ``(N, C)`` with ``diagonal``) when
-        every block belongs to a linear layer ``s = W a + b``, from ``traces``: module path ->
-        ``(a (N, in), delta (C, N, out))`` with ``delta_c`` the gradient of ``f_c`` wrt ``s``
+        every block belongs to a linear layer ``s_t = W a_t + b``, from ``traces``: module path
+        -> ``(a (N, in), delta (C, N, out))`` (one location) or ``(a (N, T, in),
+        delta (C, N, T, out))`` (T weight-sharing locations, a convolution's patches), with
+        ``delta_c`` the gradient of ``f_c`` wrt ``s``
         (:func:`gaussify.curvature.jacobian.linear_output_traces`).
 
-        The block's Jacobian rows are rank one, ``J_c = delta_c f^T`` with block features
-        ``f = [a, 1]`` (or ``a``, or ``[1]``, by the block's columns), so in the eigenbasis
-        ``Q_out^T J_c Q_in = u_c psi^T`` with ``u_c = Q_out^T delta_c``, ``psi = Q_in^T f``
-        and ``J_c Sigma J_k^T = sum_i u_ci u_ki s_i``, ``s`` from :meth:`_row_variances`:
-        O(N (d^2 + out d + C out^2 + C^2 out)) per block instead of the dense route's
-        O(N C (out^2 d + out d^2)), and no ``(N, C, P)`` Jacobian. Equal to
+        With one location the block's Jacobian rows are rank one, ``J_c = delta_c f^T`` with
+        block features ``f = [a, 1]`` (or ``a``, or ``[1]``, by the block's columns), so in
+        the eigenbasis ``Q_out^T J_c Q_in = u_c psi^T`` with ``u_c = Q_out^T delta_c``,
+        ``psi = Q_in^T f`` and ``J_c Sigma J_k^T = sum_i u_ci u_ki s_i``, ``s`` from
+        :meth:`_row_variances`: O(N (d^2 + out d + C out^2 + C^2 out)) per block instead of
+        the dense route's O(N C (out^2 d + out d^2)), and no ``(N, C, P)`` Jacobian. With T
+        locations the rotated rows ``sum_t u_ct psi_t^T`` (one batched matmul, ``(N, C, out,
+        d)`` per block) go through :meth:`functional_cov`'s eigenbasis formula. Equal to
         :meth:`functional_cov` of the Jacobian in exact arithmetic.
         """
         if not self.traced_blocks():
@@ -305,6 +319,24 @@ class KronPosteriorPrecision:
         for b, r1 in zip(self.blocks, self._r1, strict=True):
             assert b.module is not None
             a, delta = traces[b.module]
+            if a.ndim == 3 and a.shape[1] != 1:  # T locations: the rotated block Jacobian
+                feats = augment(a, "weight" in b.columns, "bias" in b.columns).to(b.eig.dtype)
+                psi = feats if b.q_in is None else feats @ b.q_in  # (N, T, d)
+                u = delta.to(b.q_out.dtype) @ b.q_out  # (C, N, T, out)
+                jt = torch.einsum("cnti,ntj->ncij", u, psi)  # (N, C, out, d)
+                if diagonal:
+                    out = out + (jt.square() / b.eig).sum((-2, -1))
+                else:
+                    out = out + torch.einsum("ncij,nkij->nck", jt / b.eig, jt)
+                if r1 is not None:
+                    p = (jt * r1.ue).sum(-1)  # (N, C, out)
+                    if diagonal:
+                        out = out - (p.square() * r1.beta).sum(-1)
+                    else:
+                        out = out - torch.einsum("nci,nki->nck", p * r1.beta, p)
+                continue
+            if a.ndim == 3:  # one location given as (N, 1, in), (C, N, 1, out)
+                a, delta = a[:, 0], delta[:, :, 0]
             feats = augment(a.unsqueeze(1), "weight" in b.columns, "bias" in b.columns)
             s = self._row_variances(b, r1, feats[:, 0])  # (N, out)
             u = delta.to(b.q_out.dtype) @ b.q_out  # (C, N, out)
@@ -389,8 +421,11 @@ class KronPosteriorPrecision:
         rank-one terms)."""
         mats = []
         for b, r1 in zip(self.blocks, self._r1, strict=True):
-            diag = b.q_out.square() @ b.eig.reciprocal() @ b.q_in.square().mT
+            diag = b.q_out.square() @ b.eig.reciprocal()
+            if b.q_in is not None:
+                diag = diag @ b.q_in.square().mT
             if r1 is not None:
+                assert b.q_in is not None
                 r = r1.ue @ b.q_in.mT  # (out, d): row i is Q_in K_i u
                 diag = diag - b.q_out.square() @ (r1.beta.unsqueeze(-1) * r.square())
             mats.append(diag)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.jacobian import auto_chunk_size, chunk_slices
-from gaussify.curvature.subset import ParameterSubset
+from gaussify.curvature.subset import ParameterSubset, tied_parameters
 
 __all__ = [
     "OutputLinear",
@@ -74,6 +74,8 @@ def find_output_linear(model: nn.Module, subset: ParameterSubset) -> OutputLinea
     # A subclass may override forward; only the plain affine map has the identity.
     if type(module).forward is not nn.Linear.forward or not isinstance(module, nn.Linear):
         return None
+    if set(subset.names) & set(tied_parameters(model)):
+        return None  # a tensor also used by another module: J is not I ⊗ phi alone
     prefix = f"{name}." if name else ""
     names = set(subset.names)
     if not names <= {f"{prefix}weight", f"{prefix}bias"}:

@@ -199,7 +199,7 @@ def _traces_from(
 
 
 def linear_output_traces(
-    model: nn.Module, x: Tensor, subset: SubsetLike
+    model: nn.Module, x: Tensor, subset: SubsetLike, *, convs: bool = False
 ) -> tuple[Tensor, dict[str, _LinearTrace]] | None:
     """(f (N, C) detached, module name -> trace) with every output's gradient at each layer:
     the traces' ``deltas`` are (C, N, out), row c the gradient of f_c with respect to the
@@ -211,12 +211,14 @@ def linear_output_traces(
     parameter of the subset is on that route: a whole-tensor subset of plain ``nn.Linear``
     modules, each run once on (N, in) inputs, with unshared parameters that enter the graph of
     f once, and finite gradients (the generic path then reports the parameter of a NaN).
+    ``convs``: plain ``nn.Conv2d`` modules are traced too (inputs (N, C_in, H, W), deltas
+    (C, N, C_out, H_out, W_out)).
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     if subset.indices is not None:
         return None
     check_eval_mode(model)
-    linears = _hookable_linears(model, subset)
+    linears = _hookable_linears(model, subset, convs=convs)
     covered = {f"{m}.{kind}" if m else kind for m, kinds in linears.items() for kind in kinds}
     if covered != set(subset.names):
         return None

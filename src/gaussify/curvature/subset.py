@@ -15,6 +15,13 @@ parameter tensors that contain selected weights (the *support*) plus ``indices``
 positions of the selected weights in the support's flattened vector; every other weight stays
 at its current value (a point mass at the MAP). A mask that covers whole tensors resolves to
 the plain tensor subset.
+
+Tied parameters (one tensor registered under several names, e.g. ``head.weight =
+emb.weight``) are one parameter, counted once as ``model.parameters()`` does, under their
+first name in registration order (the *canonical* name ``named_parameters()`` yields);
+:func:`tied_parameters` gives the mapping. Selecting any of a tied tensor's names (or a module
+that uses it) selects the canonical name; Jacobians are taken through ``functional_call``,
+which keeps the tie, so a column of J is the sum of the contributions of every use.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ __all__ = [
     "ParameterSubset",
     "check_prior",
     "expand_prior",
+    "require_untied",
     "require_whole_tensors",
     "select_parameters",
+    "tied_parameters",
 ]
 
 
@@ -145,6 +154,40 @@ class ParameterSubset:
         return name.rpartition(".")[0]
 
 
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter (``named_parameters(remove_duplicate=False)``) -> the
+    canonical (first) name of its tensor."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(param), name)
+    return out
+
+
+def tied_parameters(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Canonical name -> every name (canonical first) of each parameter tensor that the model
+    registers under more than one name (weight tying); empty when nothing is tied."""
+    groups: dict[str, list[str]] = {}
+    for name, canonical in _canonical_names(model).items():
+        groups.setdefault(canonical, []).append(name)
+    return {c: tuple(names) for c, names in groups.items() if len(names) > 1}
+
+
+def require_untied(model: nn.Module, subset: ParameterSubset, what: str, supported: str) -> None:
+    """Raise a ``ValueError`` naming the tied parameters of ``subset`` when ``what`` (e.g. a
+    curvature structure) cannot treat a tensor shared by several modules; ``supported`` names
+    what can."""
+    tied = tied_parameters(model)
+    hits = {c: tied[c] for c in subset.names if c in tied}
+    if hits:
+        listed = "; ".join(" = ".join(names) for names in hits.values())
+        raise ValueError(
+            f"model: {what} does not support tied parameters (one tensor used by several "
+            f"modules): {listed}; use {supported}, which count a tied tensor once and sum the "
+            "contributions of its uses, or leave it out of the subset"
+        )
+
+
 def _last_layer_names(model: nn.Module) -> list[str]:
     last: str | None = None
     for mod_name, module in model.named_modules():
@@ -154,7 +197,12 @@ def _last_layer_names(model: nn.Module) -> list[str]:
         raise ValueError("model: has no parameters, so there is no last layer")
     prefix = f"{last}." if last else ""
     module = model.get_submodule(last)
-    return [prefix + n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+    canonical = _canonical_names(model)
+    return [
+        canonical[prefix + n]
+        for n, p in module.named_parameters(recurse=False, remove_duplicate=False)
+        if p.requires_grad
+    ]
 
 
 def select_parameters(
@@ -183,6 +231,7 @@ def select_parameters(
             )
     else:
         chosen = set()
+        canonical = _canonical_names(model)
         for key in subset:
             if not isinstance(key, str):
                 raise TypeError(
@@ -192,7 +241,10 @@ def select_parameters(
             if key in named:
                 chosen.add(key)
                 continue
-            hits = [n for n in named if n.startswith(f"{key}.")]
+            if canonical.get(key) in named:  # another name of a tied tensor
+                chosen.add(canonical[key])
+                continue
+            hits = [c for n, c in canonical.items() if c in named and n.startswith(f"{key}.")]
             if not hits:
                 raise ValueError(
                     f"subset: {key!r} names no trainable parameter or module; "

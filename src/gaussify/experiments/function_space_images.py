@@ -219,7 +219,7 @@ def run(
     fl_subset: int | None = None,
     ella_landmarks: int | None = None,
     num_inducing: int | None = None,
-    valla_epochs: int = 3,
+    valla_epochs: int = 10,
     keep_predictions: bool = False,
     num_threads: int | None = 1,
     progress: bool = False,

@@ -225,7 +225,7 @@ def run(
     width: int | None = None,
     num_inducing: int = 100,
     fl_subset: int | None = None,
-    valla_epochs: int = 3,
+    valla_epochs: int = 10,
     sampled_samples: int = 16,
     sampled_epochs: int = 2,
     keep_predictions: bool = False,

@@ -174,11 +174,13 @@ class ELLA(EvidenceTuning, DeclaredCapabilities):
         self.eig_tol = eig_tol
         self.chunk_size = chunk_size
         self.route: Route = route
-        dtype = next(model.parameters()).dtype
-        prior = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        dtype = first.dtype
+        prior = torch.as_tensor(prior_precision, dtype=dtype, device=first.device)
+        prior = check_prior(prior).clone()
         expand_prior(prior, self.subset)
         self.prior_precision = prior
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, first.device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False
@@ -366,10 +368,12 @@ class ELLA(EvidenceTuning, DeclaredCapabilities):
             warn_dropped_correction(result, self, self._stats)
         return finite_evidence(result.value.to(dtype))
 
-    def _grid_evidence(self) -> tuple[Callable[[Tensor], Tensor], torch.dtype]:
+    def _grid_evidence(self, progress: bool) -> tuple[Callable[[Tensor], Tensor], torch.dtype]:
         return self.log_marginal_likelihood, self._proj.dtype
 
-    def _evidence_problem(self, granularity: str, tune_noise: bool) -> EvidenceProblem:
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
         return EvidenceProblem(
             self.log_marginal_likelihood,
             self.prior_precision.reshape(()).to(self._proj.dtype),

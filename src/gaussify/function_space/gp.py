@@ -272,14 +272,16 @@ class FunctionalLaplace(EvidenceTuning):
         self.route: Route = route
         dtype = next(model.parameters()).dtype
         self.prior_precision = self._validate_prior(prior_precision, dtype)
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        device = next(model.parameters()).device
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, device).clone()
         #: outcome of the last optimize_prior (converged, steps, gradient, evidence)
         self.tuning_result: TuningResult | None = None
         self._fitted = False
         self._chol: Tensor | None = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        device = next(self.model.parameters()).device
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
@@ -362,7 +364,7 @@ class FunctionalLaplace(EvidenceTuning):
         one), differentiable in it."""
         self._require_fit()
         prior = self.prior_precision if prior_precision is None else prior_precision
-        prior = torch.as_tensor(prior, dtype=self._f.dtype)
+        prior = torch.as_tensor(prior, dtype=self._f.dtype, device=self._f.device)
         scales = prior_scales(prior, self.subset)
         if any(s.ndim > 0 for s in scales.values()):
             cached = self._direct
@@ -423,10 +425,12 @@ class FunctionalLaplace(EvidenceTuning):
             warn_dropped_correction(result, self, self._m)
         return finite_evidence(result.value.to(self._f.dtype))
 
-    def _grid_evidence(self) -> tuple[Callable[[Tensor], Tensor], torch.dtype]:
+    def _grid_evidence(self, progress: bool) -> tuple[Callable[[Tensor], Tensor], torch.dtype]:
         return self.log_marginal_likelihood, self._f.dtype
 
-    def _evidence_problem(self, granularity: str, tune_noise: bool) -> EvidenceProblem:
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
         dtype = self._f.dtype
         init = expand_prior(self.prior_precision, self.subset).to(dtype)
         if granularity == "scalar":

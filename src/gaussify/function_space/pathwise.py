@@ -21,9 +21,11 @@ from collections.abc import Callable
 import torch
 import torch.func as tfunc
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
+from gaussify.curvature.generic_jacobian import jacobians
 from gaussify.curvature.subset import ParameterSubset
+from gaussify.fastpath import forward_ad_unsupported, functional_call, warn_reverse_mode
 
 __all__ = ["batched_jvp", "batched_vjp", "pathwise_sample"]
 
@@ -52,7 +54,14 @@ def batched_jvp(model: nn.Module, x: Tensor, subset: ParameterSubset, v: Tensor)
     def one(t: Tensor) -> Tensor:
         return tfunc.jvp(f, (params,), (subset.unflatten(t),))[1]
 
-    return vmap(one)(v.to(next(iter(params.values())).dtype))
+    v = v.to(next(iter(params.values())).dtype)
+    try:
+        return vmap(one)(v)
+    except (NotImplementedError, RuntimeError) as error:
+        if not forward_ad_unsupported(error):
+            raise
+        warn_reverse_mode(model, error)  # J from reverse mode (gaussify.fastpath)
+        return torch.einsum("ncp,sp->snc", jacobians(model, x, subset), v)
 
 
 def batched_vjp(model: nn.Module, x: Tensor, subset: ParameterSubset, u: Tensor) -> Tensor:

@@ -209,10 +209,12 @@ class SampledLLA(DeclaredCapabilities):
         if self.task == "heteroscedastic":
             raise ValueError("likelihood: heteroscedastic outputs are not supported by SampledLLA")
         self.subset: ParameterSubset = select_parameters(model, subset)
-        dtype = next(model.parameters()).dtype
-        self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        first = next(model.parameters())
+        prior = torch.as_tensor(prior_precision, dtype=first.dtype, device=first.device)
+        self.prior_precision = check_prior(prior).clone()
         expand_prior(self.prior_precision, self.subset)  # raises on a wrong granularity
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        sigma = check_sigma_noise(sigma_noise, self.task, first.dtype, first.device)
+        self.sigma_noise = sigma.clone()
         self.num_samples = num_samples
         self.solver: Solver = solver
         self.epochs, self.batch_size = epochs, batch_size
@@ -303,13 +305,15 @@ class SampledLLA(DeclaredCapabilities):
                 "solver='sgd' or 'cg', or a smaller subset",
                 device=self.theta_star.device,
             )
-        self.delta0 = torch.randn(s, p, generator=gen, dtype=dtype) / prior.sqrt()
-        linear = torch.zeros(s, p, dtype=dtype)
-        gram = torch.zeros(p, p, dtype=dtype) if self.solver == "solve" else None
+        # draws from the (host) generator, then moved: the same samples on every device
+        device = self.theta_star.device
+        self.delta0 = torch.randn(s, p, generator=gen, dtype=dtype).to(device) / prior.sqrt()
+        linear = torch.zeros(s, p, dtype=dtype, device=device)
+        gram = torch.zeros(p, p, dtype=dtype, device=device) if self.solver == "solve" else None
         num_data = 0
         self._prepare_cache(data)
         for batch in self._iter_batches(data):
-            z = torch.randn(s, *batch.factor.shape[:2], generator=gen, dtype=dtype)
+            z = torch.randn(s, *batch.factor.shape[:2], generator=gen, dtype=dtype).to(device)
             linear += batch.noise(z)
             if gram is not None:
                 jac = batch.jac
@@ -380,6 +384,7 @@ class SampledLLA(DeclaredCapabilities):
                 break
             x = batch.x
             v = torch.randn(1, self.subset.num_params, generator=gen, dtype=prior.dtype)
+            v = v.to(prior.device)
             lam = 0.0
             for _ in range(30):
                 v = v / v.norm()
@@ -483,11 +488,12 @@ class SampledLLA(DeclaredCapabilities):
             )
         if self.samples is None:
             self.fit(data)
-        counts = torch.tensor(list(self.subset.counts))
+        device = self.theta_star.device
+        counts = torch.tensor(list(self.subset.counts), device=device)
         group = (
-            torch.arange(len(counts)).repeat_interleave(counts)
+            torch.arange(len(counts), device=device).repeat_interleave(counts)
             if self.prior_precision.ndim > 0 and k == names
-            else torch.zeros(p, dtype=torch.long)
+            else torch.zeros(p, dtype=torch.long, device=device)
         )
         size = torch.bincount(group).to(self.theta_star.dtype)
         for _ in range(n_steps):

@@ -257,5 +257,5 @@ class SGDLastLayer:
         """Point-estimate predictive: ``softmax(f)`` with zero logit covariance."""
         x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
         f = (x @ self.weight).to(phi.dtype)
-        cov = torch.zeros(*f.shape, f.shape[-1], dtype=f.dtype)
+        cov = f.new_zeros(*f.shape, f.shape[-1])
         return Predictive(self.task, f, f_cov=cov, probs=torch.softmax(f, dim=-1))

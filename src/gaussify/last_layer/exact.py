@@ -97,6 +97,7 @@ class ExactLastLayer(ColumnSampler):
     ``bias``). ``streaming``: Kalman updates per batch (default) or one information-form solve.
 
     ``fit(data)`` starts afresh; ``update(phi, y)`` adds one batch to the current posterior.
+    ``device`` (default cpu): where the posterior lives; features on another device raise.
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class ExactLastLayer(ColumnSampler):
         noise: float = 0.1, pseudo_likelihood: DirichletGaussian | BetaGaussian | None = None,
         prior_precision: float = 1.0, bias: bool = True, streaming: bool = True,
         dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
     ) -> None:  # fmt: skip
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features: must be a positive integer, got {in_features!r}")
@@ -119,6 +121,7 @@ class ExactLastLayer(ColumnSampler):
         self.in_features, self.num_classes = in_features, num_classes
         self.prior_precision = float(prior_precision)
         self.bias, self.streaming, self.dtype = bias, streaming, dtype
+        self.device = torch.device(device)
         #: outcome of the last optimize_prior (the grid, the evidence at the best value)
         self.tuning_result: TuningResult | None = None
         self.num_features = in_features + int(bias)
@@ -142,17 +145,18 @@ class ExactLastLayer(ColumnSampler):
     def reset(self) -> ExactLastLayer:
         """Back to the prior ``N(0, I/delta)`` for every column."""
         d, k = self.num_features, self.num_outputs
-        eye = torch.eye(d, dtype=self.dtype)
+        dd = {"dtype": self.dtype, "device": self.device}
+        eye = torch.eye(d, **dd)
         self.num_data = 0
-        self._log_evidence = torch.zeros((), dtype=self.dtype)
+        self._log_evidence = torch.zeros((), **dd)
         if self.streaming:
-            self._mean = torch.zeros(d, k, dtype=self.dtype)
+            self._mean = torch.zeros(d, k, **dd)
             self._cov = eye.expand(k, d, d) / self.prior_precision
         else:
             self._precision = (self.prior_precision * eye).expand(k, d, d).clone()
-            self._eta = torch.zeros(d, k, dtype=self.dtype)
-            self._quad = torch.zeros(k, dtype=self.dtype)  # sum m^2 / v
-            self._log_norm = torch.zeros(k, dtype=self.dtype)  # sum log(2 pi v)
+            self._eta = torch.zeros(d, k, **dd)
+            self._quad = torch.zeros(k, **dd)  # sum m^2 / v
+            self._log_norm = torch.zeros(k, **dd)  # sum log(2 pi v)
             self._solved: tuple[Tensor, Tensor, Tensor] | None = None
         return self
 
@@ -163,14 +167,28 @@ class ExactLastLayer(ColumnSampler):
         if y.shape[0] != n:
             raise ValueError(f"y: expected {n} labels to match phi, got {y.shape[0]}")
         mean, var = self.pseudo_likelihood.pseudo_targets(y, self.num_classes, dtype=self.dtype)
+        mean, var = mean.to(self.device), var.to(self.device)
         return mean.reshape(n, self.num_outputs), var.reshape(n, self.num_outputs)
+
+    def _features(self, phi: Tensor, allow_empty: bool = True) -> Tensor:
+        """``[phi, 1]`` (or ``phi`` without a bias) in the layer's dtype, after the feature
+        checks; features on another device than the layer's state are refused."""
+        phi = check_features(phi, self.in_features, allow_empty=allow_empty)
+        same = phi.device.type == self.device.type and (
+            self.device.index is None or phi.device.index in (None, self.device.index)
+        )
+        if not same:
+            raise ValueError(
+                f"phi: is on {phi.device}, the layer's posterior is on {self.device}; create "
+                f"the layer with device={str(phi.device)!r}"
+            )
+        return augment(phi, self.bias, self.dtype)
 
     @transactional
     def update(self, phi: Tensor, y: Tensor) -> ExactLastLayer:
         """Condition on one batch ``phi (B, D)``, ``y (B,)``: a rank-B Kalman update per
         column (``streaming=True``) or an information update (``streaming=False``)."""
-        phi = check_features(phi, self.in_features)
-        x = augment(phi, self.bias, self.dtype)
+        x = self._features(phi)
         m, v = self._targets(y, x.shape[0])
         if x.shape[0] == 0:
             return self
@@ -297,7 +315,7 @@ class ExactLastLayer(ColumnSampler):
 
     def logit_distribution(self, phi: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and variance ``(N, K)`` of the logits at features ``phi (N, D)``."""
-        x = augment(check_features(phi, self.in_features, allow_empty=False), self.bias, self.dtype)
+        x = self._features(phi, allow_empty=False)
         f_var = torch.einsum("nd,kde,ne->nk", x, self.covariance, x)
         return x @ self.mean, f_var.clamp_min(0)
 
@@ -345,17 +363,17 @@ class ExactLastLayer(ColumnSampler):
         ``alpha_eps`` (default: the current one). The data term is reparameterised Monte Carlo
         with ``base_samples (S, N, K)`` (drawn once from ``generator`` if not given).
         """
-        phi = check_features(phi, self.in_features, allow_empty=False)
-        x = augment(phi, self.bias, self.dtype)
+        x = self._features(phi, allow_empty=False)
         n, d, k = x.shape[0], self.num_features, self.num_outputs
         pl = self.pseudo_likelihood
         if alpha_eps is not None:
             pl = pl.replace(alpha_eps=alpha_eps)
         y = check_labels(y.reshape(-1), self.num_classes)
         m, v = pl.pseudo_targets(y, self.num_classes, dtype=self.dtype)
-        m, v = m.reshape(n, k).to(self.dtype), v.reshape(n, k).to(self.dtype)
+        m = m.reshape(n, k).to(device=self.device, dtype=self.dtype)
+        v = v.reshape(n, k).to(device=self.device, dtype=self.dtype)
         w = 1.0 / v
-        eye = torch.eye(d, dtype=self.dtype)
+        eye = torch.eye(d, dtype=self.dtype, device=self.device)
         precision = self.prior_precision * eye + torch.einsum("bd,bk,be->kde", x, w, x)
         chol = torch.linalg.cholesky(precision)
         mean = torch.cholesky_solve((x.T @ (m * w)).T.unsqueeze(-1), chol).squeeze(-1)  # (K, D')
@@ -377,6 +395,7 @@ class ExactLastLayer(ColumnSampler):
         )
         if base_samples is None:
             base_samples = torch.randn(num_samples, n, k, generator=generator, dtype=self.dtype)
+            base_samples = base_samples.to(self.device)  # drawn on the generator's device
         return expected_log_likelihood(f_mean, f_var, y, self.task, base_samples) - kl
 
     def _with_alpha(self, alpha_eps: float) -> ExactLastLayer:
@@ -388,6 +407,7 @@ class ExactLastLayer(ColumnSampler):
             bias=self.bias,
             streaming=self.streaming,
             dtype=self.dtype,
+            device=self.device,
         )
 
     @transactional
@@ -423,7 +443,7 @@ class ExactLastLayer(ColumnSampler):
             n = phi.shape[0]
             base = torch.randn(
                 num_samples, n, self.num_outputs, generator=generator, dtype=self.dtype
-            )
+            ).to(self.device)
             init = float(self.pseudo_likelihood.alpha_eps)
             result = tune_alpha_eps(
                 lambda a: self.elbo(phi, y, a, base_samples=base), init, steps=steps, lr=lr
@@ -504,12 +524,13 @@ class ExactLastLayer(ColumnSampler):
         )
         self.prior_precision = valid["prior_precision"]
         self.num_data = valid["num_data"]
-        self._log_evidence = valid["log_evidence"].clone()
+        here = {k: v.clone().to(self.device) for k, v in valid.items() if isinstance(v, Tensor)}
+        self._log_evidence = here["log_evidence"]
         if self.streaming:
-            self._mean, self._cov = valid["mean"].clone(), valid["cov"].clone()
+            self._mean, self._cov = here["mean"], here["cov"]
         else:
-            self._precision, self._eta = valid["precision"].clone(), valid["eta"].clone()
-            self._quad, self._log_norm = valid["quad"].clone(), valid["log_norm"].clone()
+            self._precision, self._eta = here["precision"], here["eta"]
+            self._quad, self._log_norm = here["quad"], here["log_norm"]
             self._solved = None
 
 

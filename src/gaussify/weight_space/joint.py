@@ -24,10 +24,11 @@ from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify.curvature.jacobian import jacobians
 from gaussify.curvature.subset import ParameterSubset
+from gaussify.fastpath import functional_call
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 

@@ -25,6 +25,7 @@ from gaussify.curvature.subset import (
     ParameterSubset,
     check_prior,
     expand_prior,
+    require_untied,
     require_whole_tensors,
     select_parameters,
 )
@@ -41,7 +42,13 @@ from gaussify.predictive import (
 from gaussify.prior_tuning import EvidenceProblem, EvidenceTuning, hyperparameters_or_current
 from gaussify.spectral import Spectrum
 from gaussify.state import transactional
-from gaussify.tuning import ClosedFormEvidence, TuningResult, prior_from_weights, residual_rms
+from gaussify.tuning import (
+    ClosedFormEvidence,
+    TuningResult,
+    decomposition_stage,
+    prior_from_weights,
+    residual_rms,
+)
 from gaussify.validation import check_count, check_inputs, validated_batches
 from gaussify.weight_space.dense_views import DenseViews
 from gaussify.weight_space.joint import function_samples, joint_predictive
@@ -133,6 +140,7 @@ class Laplace(EvidenceTuning, DenseViews):
         self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
         if structure == "kron":
             require_whole_tensors(self.subset, "structure 'kron' (Kronecker factors are per layer)")
+            require_untied(model, self.subset, "structure 'kron'", "'full', 'diag' or 'lowrank'")
         self.temperature = temperature
         exact = (
             structure == "full"
@@ -155,6 +163,12 @@ class Laplace(EvidenceTuning, DenseViews):
     # ------------------------------------------------------------------ hyperparameters
     # Setting any of them drops the cached posterior precision (built lazily from them), so
     # predict / sample / posterior_* after a change use the new values.
+    @property
+    def _device(self) -> torch.device:
+        """The model's device (where its first parameter lives): every tensor of the fit and
+        the predictive is created there."""
+        return next(self.model.parameters()).device
+
     @property
     def prior_precision(self) -> Tensor:
         """Prior precision P0: a scalar, one per parameter tensor, or one per parameter."""
@@ -185,7 +199,7 @@ class Laplace(EvidenceTuning, DenseViews):
 
     @prior_mean.setter
     def prior_mean(self, value: float | Tensor) -> None:
-        m0 = torch.as_tensor(value, dtype=self._dtype).detach()
+        m0 = torch.as_tensor(value, dtype=self._dtype, device=self._device).detach()
         p = self.subset.num_params
         if m0.ndim == 1 and m0.numel() > 1 and m0.stride(0) == 0:
             m0 = m0[0]  # a broadcast scalar (e.g. a saved scalar prior mean) stays one number
@@ -226,12 +240,12 @@ class Laplace(EvidenceTuning, DenseViews):
         self._posterior = None
 
     def _validate_prior(self, prior: float | Tensor, dtype: torch.dtype) -> Tensor:
-        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype)).clone()
+        prior_t = check_prior(torch.as_tensor(prior, dtype=dtype, device=self._device)).clone()
         expand_prior(prior_t, self.subset)  # raises on a wrong granularity
         return prior_t
 
     def _validate_sigma(self, sigma: float | Tensor) -> Tensor:
-        return check_sigma_noise(sigma, self.task, self._dtype).clone()
+        return check_sigma_noise(sigma, self.task, self._dtype, self._device).clone()
 
     # ------------------------------------------------------------------ fitting
 
@@ -341,7 +355,8 @@ class Laplace(EvidenceTuning, DenseViews):
         """Multiplier of the fitted G: 1/T, times sigma_fit^2 / sigma^2 for regression (the
         GGN of a Gaussian likelihood is proportional to 1/sigma^2)."""
         if self.task != "regression":
-            return torch.as_tensor(1.0 / self.temperature, dtype=self.mean.dtype)
+            mean = self.mean
+            return torch.as_tensor(1.0 / self.temperature, dtype=mean.dtype, device=mean.device)
         ratio = self._sigma_fit.square() / sigma_noise.square()
         if ratio.ndim > 0 and not torch.allclose(ratio, ratio.reshape(-1)[0].expand_as(ratio)):
             raise ValueError(
@@ -408,11 +423,16 @@ class Laplace(EvidenceTuning, DenseViews):
     def _is_fitted(self) -> bool:
         return self._curvature is not None
 
-    def _grid_evidence(self) -> tuple[ClosedFormEvidence | Callable[[Tensor], Tensor], torch.dtype]:
-        closed = self.spectrum("scalar", tune_noise=False)
+    def _grid_evidence(
+        self, progress: bool
+    ) -> tuple[ClosedFormEvidence | Callable[[Tensor], Tensor], torch.dtype]:
+        with decomposition_stage(self._curvature, self.correction, progress):
+            closed = self.spectrum("scalar", tune_noise=False)
         return closed or self.log_marginal_likelihood, self.mean.dtype
 
-    def _evidence_problem(self, granularity: str, tune_noise: bool) -> EvidenceProblem:
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
         init = expand_prior(self.prior_precision, self.subset)
         if granularity == "scalar":
             start = init.mean().reshape(1)
@@ -420,7 +440,8 @@ class Laplace(EvidenceTuning, DenseViews):
             start = torch.stack([c.mean() for c in torch.split(init, list(self.subset.counts))])
         else:
             start = init.clone()
-        spec = self.spectrum(granularity, tune_noise=tune_noise)
+        with decomposition_stage(self._curvature, self.correction, progress):
+            spec = self.spectrum(granularity, tune_noise=tune_noise)
 
         def evidence(prior: Tensor, sigma: Tensor) -> Tensor:
             prior = prior.squeeze(0) if granularity == "scalar" else prior

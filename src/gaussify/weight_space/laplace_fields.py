@@ -48,6 +48,7 @@ class LaplaceFields(Protocol):
     sigma_noise: Tensor
     temperature: float
     _dtype: Any
+    _device: Any
     _curvature: Any
     _posterior: Any
     _sigma_fit: Tensor

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from gaussify import distributed
 from gaussify.batches import Batches
@@ -26,6 +25,7 @@ from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import MIN_CHUNK_ELEMENTS, chunk_slices, jvp_with_outputs, vjp
 from gaussify.curvature.lastlayer import forward_with_features, lastlayer_jvp, lastlayer_vjp
 from gaussify.curvature.subset import expand_prior
+from gaussify.fastpath import functional_call
 from gaussify.likelihoods import all_finite
 from gaussify.validation import validated_batches
 from gaussify.weight_space.laplace_fields import LaplaceFields
@@ -75,9 +75,9 @@ def accumulate(
         generator=la.generator,
         **la.curvature_options,
     )
-    log_lik = torch.zeros((), dtype=la._dtype)
+    log_lik = torch.zeros((), dtype=la._dtype, device=la._device)
     # the mean is not read here: before the first fit it is built on demand (P numbers)
-    grad = torch.zeros(la.subset.num_params, dtype=la._dtype)
+    grad = torch.zeros(la.subset.num_params, dtype=la._dtype, device=la._device)
     sse: Tensor | None = None
     num_data = 0
     iterator = batches
@@ -136,7 +136,7 @@ def feature_statistics(
     (softmax, one-hot, residual) of a many-class batch stay about as large as the
     parameter vector."""
     assert la._output_layer is not None
-    log_lik = torch.zeros((), dtype=grad.dtype)
+    log_lik = torch.zeros((), dtype=grad.dtype, device=grad.device)
     budget = max(la.subset.num_params, MIN_CHUNK_ELEMENTS)
     for sl in chunk_slices(f.shape[0], max(1, budget // (8 * f.shape[1]))):
         log_lik += la.likelihood.log_prob(f[sl], y[sl]).sum()
@@ -255,7 +255,7 @@ def refine_mean(
     prior_vec = expand_prior(la.prior_precision, la.subset).to(la.mean.dtype)
 
     def log_joint(step: Tensor) -> float:
-        total = torch.zeros((), dtype=la.mean.dtype)
+        total = torch.zeros((), dtype=la.mean.dtype, device=la.mean.device)
         for x, y in batches:
             total += la.likelihood.log_prob(linearised_outputs(la, x, step)[0], y).sum()
         theta = la.theta_star + step - la.prior_mean

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify.curvature.base import LastLayerPrecision
 from gaussify.curvature.jacobian import jacobians
 from gaussify.curvature.kron import KronPosteriorPrecision, traced_predictive
 from gaussify.curvature.lastlayer import lastlayer_jvp
+from gaussify.fastpath import functional_call
 from gaussify.weight_space.laplace_fields import LaplaceFields
 from gaussify.weight_space.laplace_fit import features
 

@@ -41,12 +41,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import jacobians, jvp, jvp_with_outputs, vjp
 from gaussify.curvature.subset import check_prior, expand_prior, select_parameters
+from gaussify.fastpath import functional_call
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.posterior import DeclaredCapabilities
@@ -200,9 +201,11 @@ class NaturalGradientVI(DenseViews, DeclaredCapabilities):
         self._named = dict(model.named_parameters())
         self.mean = self.subset.flatten(self.subset.params(model)).clone()
         dtype = self.mean.dtype
-        self.prior_precision = check_prior(torch.as_tensor(prior_precision, dtype=dtype)).clone()
+        device = self.mean.device
+        prior = torch.as_tensor(prior_precision, dtype=dtype, device=device)
+        self.prior_precision = check_prior(prior).clone()
         self._prior_vec = expand_prior(self.prior_precision, self.subset).to(dtype)
-        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype).clone()
+        self.sigma_noise = check_sigma_noise(sigma_noise, self.task, dtype, device).clone()
         # theta_lin: the linearisation point of the GLM predictive (theta* for GLM-VI).
         self.theta_lin: Tensor | None = self.mean.clone() if self.linearization == "map" else None
         holder_options = dict(curvature_options)
@@ -332,7 +335,7 @@ class NaturalGradientVI(DenseViews, DeclaredCapabilities):
             jv = jvp(self.model, x, self.subset, v).detach()
             hess = self.likelihood.hessian(outputs.reshape(-1, outputs.shape[-1]))
             return output_quadratic(hess.reshape(*outputs.shape, -1), jv)
-        total = torch.zeros((), dtype=v.dtype)
+        total = torch.zeros((), dtype=v.dtype, device=v.device)
         try:
             for theta in thetas:
                 self._write(theta)
@@ -483,7 +486,7 @@ class NaturalGradientVI(DenseViews, DeclaredCapabilities):
         post = self.posterior
         thetas = self.mean + post.sample(num_samples, generator=generator)
         self.model.eval()
-        total = torch.zeros((), dtype=self.mean.dtype)
+        total = torch.zeros((), dtype=self.mean.dtype, device=self.mean.device)
         for x, y in as_batches(data, batch_size):
             if method == "nn":
                 f = self._nn_outputs(x, thetas)

@@ -61,7 +61,7 @@ def blend_curvature(
             weight = (1 - gamma) * old + gamma
             out[key] = ((1 - gamma) * old * state[key] + gamma * value / m) / weight
             out[f"W.{path}"] = weight
-        elif kind == "B":
+        elif kind in ("B", "G"):  # G: an exact block (kron_exact), a sum like B
             out[key] = (1 - gamma) * state[key] + (gamma * num_data / rows) * value
         elif kind == "M":
             out[key] = torch.ones_like(value)
@@ -90,8 +90,16 @@ def initial_curvature_state(
         kind, _, path = key.partition(".")
         if kind == "M":
             state[key] = torch.ones_like(value)
+        if kind == "G":  # an exact block of one tensor: diag(excess) (or its diagonal)
+            values = excess[path].to(value)
+            state[key] = values if value.ndim == 1 else torch.diag(values)
         if kind != "A":
             continue
+        if ":" in path or value.ndim == 1:
+            raise ValueError(
+                f"structure 'kron': the NGVI family does not support the Kronecker block "
+                f"{path!r} (an attention projection or an embedding); use 'diag' or 'full'"
+            )
         prefix = f"{path}." if path else ""
         weight, bias = prefix + "weight", prefix + "bias"
         widths = {bias: 1, weight: value.shape[0] - (1 if bias in excess else 0)}

@@ -61,6 +61,7 @@ __all__ = [
     "PosteriorPrecision",
     "Structure",
     "as_hyperparameter",
+    "check_batch",
     "check_offset",
     "cholesky_psd",
     "draw_labels",
@@ -248,6 +249,18 @@ def as_hyperparameter(value: Tensor | float, name: str, like: Tensor) -> Tensor:
     return tensor.to(dtype=like.dtype, device=like.device)
 
 
+def check_batch(model: nn.Module, x: Tensor, y: Tensor) -> None:
+    """The checks of one curvature batch: ``model`` in eval mode, ``x`` and ``y`` tensors
+    with the same (non-zero) number of rows."""
+    check_eval_mode(model)
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+        raise TypeError("x, y: expected tensors")
+    if x.shape[0] == 0:
+        raise ValueError("x: got an empty batch")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
+
+
 def check_offset(offset: Tensor | None, num_samples: int) -> Tensor | None:
     """Validate an output offset (N, C) for ``update`` (GLM refinement evaluates Lambda at the
     linearised outputs f + offset while keeping the Jacobians of the current weights)."""
@@ -413,13 +426,7 @@ class GaussNewtonCurvature:
 
     def _check_batch(self, model: nn.Module, x: Tensor, y: Tensor) -> None:
         self.last_outputs = None
-        check_eval_mode(model)
-        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
-            raise TypeError("x, y: expected tensors")
-        if x.shape[0] == 0:
-            raise ValueError("x: got an empty batch")
-        if y.shape[0] != x.shape[0]:
-            raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
+        check_batch(model, x, y)
         named = dict(model.named_parameters())
         for name, shape in zip(self.subset.names, self.subset.shapes, strict=True):
             if name not in named or named[name].shape != shape:

@@ -1,7 +1,7 @@
 """Side-by-side benchmark: gaussify's routing around PyTorch's fused attention fast paths
 (``gaussify.fastpath``, issue 22), interleaved in one run with the behaviour before.
 
-    python benchmarks/fastpath_routing.py [--threads 1] [--repeats 3]
+    python benchmarks/fastpath_routing.py [--threads 1] [--repeats 3] [--device cpu]
 
 Models: the issue's tiny transformer classifier (``nn.Embedding(50, 16)`` ->
 ``nn.TransformerEncoderLayer(16, 2, 32)`` in eval mode -> mean pool -> ``nn.Linear(16, 2)``,
@@ -36,6 +36,7 @@ from torch import nn
 
 import gaussify as gs
 from gaussify import fastpath, model_checks
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.curvature import generic_jacobian
 from gaussify.function_space import sampled_lla
 
@@ -75,11 +76,14 @@ def routing(mode: str) -> Iterator[None]:
         yield
 
 
-def once(fn: Callable[[], Any]) -> float | str:
-    """Seconds for one call, or the error it raised (the behaviour before)."""
+def once(fn: Callable[[], Any], device: torch.device) -> float | str:
+    """Seconds for one call (CUDA work synchronised), or the error it raised (the behaviour
+    before)."""
+    synchronize(device)
     start = time.perf_counter()
     try:
         fn()
+        synchronize(device)
     except Exception as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
     return time.perf_counter() - start
@@ -88,8 +92,9 @@ def once(fn: Callable[[], Any]) -> float | str:
 def bench_case(
     name: str, model: nn.Module, x: torch.Tensor, classes: int, repeats: int, full: bool
 ) -> dict[str, Any]:
-    """The runs of one model, each in every mode, one after the other."""
-    y = torch.randint(0, classes, (x.shape[0],))
+    """The runs of one model, each in every mode, one after the other (on ``x``'s device)."""
+    device = x.device
+    y = torch.randint(0, classes, (x.shape[0],)).to(device)
 
     def epoch() -> None:
         model.train()
@@ -126,7 +131,7 @@ def bench_case(
         for _ in range(repeats):  # the modes interleaved, repeat by repeat
             for mode in MODES:
                 with routing(mode):
-                    samples[mode].append(once(fn))
+                    samples[mode].append(once(fn, device))
         entry: dict[str, Any] = {}
         for mode, values in samples.items():
             errors = [v for v in values if isinstance(v, str)]
@@ -145,6 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -161,9 +167,11 @@ def main() -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "torch": torch.__version__,
+        "device": str(args.device),
     }
     for name, (model, x, classes) in cases.items():
-        results[name] = bench_case(name, model.eval(), x, classes, args.repeats, name == "mlp")
+        model, x = model.to(args.device).eval(), x.to(args.device)
+        results[name] = bench_case(name, model, x, classes, args.repeats, name == "mlp")
     results["load_average_end"] = os.getloadavg()
     OUT.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {OUT}")

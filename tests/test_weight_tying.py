@@ -125,13 +125,30 @@ def test_output_layer_subset_of_a_tied_head_sums_both_uses(
     torch.testing.assert_close(la.posterior_precision, expected, atol=1e-10, rtol=1e-9)
 
 
-def test_kron_refuses_tied_parameters_naming_them() -> None:
-    with pytest.raises(ValueError, match=r"structure 'kron' does not support tied parameters"):
-        gs.Laplace(TiedLM(head_first=True), "classification", structure="kron")
-    layer = nn.Linear(3, 3)
-    reused = nn.Sequential(layer, nn.Tanh(), layer)
-    with pytest.raises(ValueError, match=r"0\.weight = 2\.weight; 0\.bias = 2\.bias; use"):
-        gs.Laplace(reused, "classification", structure="kron")
+@pytest.mark.parametrize("head_first", [True, False])
+def test_kron_gives_a_tied_tensor_its_exact_block(head_first: bool) -> None:
+    """kron never refuses a tied model (issue 22): the shared tensor has no Kronecker form, so
+    its module's tensors get exact GGN blocks (one warning naming the tie), equal to the full
+    GGN's diagonal blocks; the tie is counted once in the parameter vector."""
+    torch.manual_seed(0)
+    model = TiedLM(head_first=head_first).double().eval()
+    x, y, _ = _data()
+    with pytest.warns(UserWarning, match="shares its parameter"):
+        kron = gs.Laplace(model, "classification", structure="kron", prior_precision=DELTA)
+        kron.fit((x, y))
+    full = gs.Laplace(model, "classification", structure="full", prior_precision=DELTA)
+    full.fit((x, y))
+    names = list(kron.subset.names)
+    assert names == list(full.subset.names)
+    assert len(names) == 4  # mid.weight, mid.bias, the shared tensor once, head.bias
+    pk = kron.posterior_precision
+    pf = full.posterior_precision
+    sizes = [model.get_parameter(n).numel() for n in names]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    tied = next(i for i, n in enumerate(names) if n.endswith("weight") and "mid" not in n)
+    for i in (tied, names.index("head.bias")):
+        block = slice(offsets[i], offsets[i] + sizes[i])
+        torch.testing.assert_close(pk[block, block], pf[block, block], rtol=1e-10, atol=1e-12)
 
 
 def test_nn_predictive_keeps_the_tie_in_every_weight_sample() -> None:

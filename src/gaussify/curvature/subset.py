@@ -36,7 +36,6 @@ __all__ = [
     "ParameterSubset",
     "check_prior",
     "expand_prior",
-    "require_untied",
     "require_whole_tensors",
     "select_parameters",
     "tied_parameters",
@@ -171,21 +170,6 @@ def tied_parameters(model: nn.Module) -> dict[str, tuple[str, ...]]:
     for name, canonical in _canonical_names(model).items():
         groups.setdefault(canonical, []).append(name)
     return {c: tuple(names) for c, names in groups.items() if len(names) > 1}
-
-
-def require_untied(model: nn.Module, subset: ParameterSubset, what: str, supported: str) -> None:
-    """Raise a ``ValueError`` naming the tied parameters of ``subset`` when ``what`` (e.g. a
-    curvature structure) cannot treat a tensor shared by several modules; ``supported`` names
-    what can."""
-    tied = tied_parameters(model)
-    hits = {c: tied[c] for c in subset.names if c in tied}
-    if hits:
-        listed = "; ".join(" = ".join(names) for names in hits.values())
-        raise ValueError(
-            f"model: {what} does not support tied parameters (one tensor used by several "
-            f"modules): {listed}; use {supported}, which count a tied tensor once and sum the "
-            "contributions of its uses, or leave it out of the subset"
-        )
 
 
 def _last_layer_names(model: nn.Module) -> list[str]:

@@ -25,7 +25,6 @@ from gaussify.curvature.subset import (
     ParameterSubset,
     check_prior,
     expand_prior,
-    require_untied,
     require_whole_tensors,
     select_parameters,
 )
@@ -140,7 +139,6 @@ class Laplace(EvidenceTuning, DenseViews):
         self.subset: ParameterSubset = resolve_subset(model, subset, subnetwork=True)
         if structure == "kron":
             require_whole_tensors(self.subset, "structure 'kron' (Kronecker factors are per layer)")
-            require_untied(model, self.subset, "structure 'kron'", "'full', 'diag' or 'lowrank'")
         self.temperature = temperature
         exact = (
             structure == "full"

@@ -64,6 +64,7 @@ __all__ = [
     "apply_rule",
     "eigenbasis_log_evidence",
     "feature_log_evidence",
+    "finite_evidence",
     "gaussian_log_likelihood",
     "laplace_log_evidence",
     "log_likelihood_supremum",
@@ -84,6 +85,16 @@ class EvidenceValue(NamedTuple):
     dropped: bool = False
     newton_log_lik: float = math.nan
     supremum: float = math.nan
+
+
+def finite_evidence(value: Tensor) -> Tensor:
+    """``value`` (a log evidence), or ``FloatingPointError`` where it is not finite: the
+    hyperparameters it was evaluated at are out of the numerically usable range."""
+    if not torch.isfinite(value):
+        raise FloatingPointError(
+            f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
+        )
+    return value
 
 
 def gaussian_log_likelihood(

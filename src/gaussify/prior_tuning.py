@@ -6,28 +6,36 @@ Each family maximises its own log evidence log p(D | P0, sigma) over the prior p
 :func:`gaussify.tuning.tune_hyperparameters`. What is the same everywhere lives here: the
 argument checks done before anything is touched (:func:`tuning_options`), which noise is
 tunable (:func:`noise_to_tune`), the hyperparameters an evidence is evaluated at
-(:func:`hyperparameters_or_current`) and the optimiser call (:func:`maximise_evidence`).
+(:func:`hyperparameters_or_current`), the optimiser call (:func:`maximise_evidence`) and
+the public method itself (:class:`EvidenceTuning`: one signature, one order of checks; the
+families supply their evidence through three small hooks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
+from gaussify.batches import Batches
+from gaussify.state import transactional
 from gaussify.tuning import (
     AutogradEvidence,
     ClosedFormEvidence,
     Optimizer,
     TuningResult,
+    check_choice,
     check_tuning_arguments,
+    grid_search,
     tune_hyperparameters,
 )
 
 __all__ = [
+    "EvidenceProblem",
+    "EvidenceTuning",
     "TuningOptions",
     "hyperparameters_or_current",
     "maximise_evidence",
@@ -123,3 +131,114 @@ def maximise_evidence(
         caller=caller,
         progress=progress,
     )
+
+
+@dataclass(frozen=True)
+class EvidenceProblem:
+    """What a family hands :meth:`EvidenceTuning.optimize_prior` for the gradient route: its
+    log evidence (closed form or autograd) and the start ``start`` of P0 (the granularity is
+    its shape), with the data-scale starts ``prior_centre`` and ``noise_start``."""
+
+    evidence: ClosedFormEvidence | AutogradEvidence
+    start: Tensor
+    prior_centre: float | None
+    noise_start: float | None
+
+
+TunedT = TypeVar("TunedT", bound="EvidenceTuning")
+
+
+class EvidenceTuning:
+    """``optimize_prior`` of the families with a log evidence (Laplace, FunctionalLaplace,
+    ELLA). A family declares its :attr:`prior_granularities` and supplies ``fit``,
+    ``_require_fit`` and the hooks :meth:`_is_fitted`, :meth:`_grid_evidence`,
+    :meth:`_evidence_problem` and :meth:`_set_tuned`; the checks, their order and the
+    optimiser call are the same for all."""
+
+    #: the values ``granularity`` may take (the first is the default's meaning: one scalar)
+    prior_granularities: ClassVar[tuple[str, ...]] = ("scalar",)
+    task: str
+    sigma_noise: Tensor
+    tuning_result: TuningResult | None
+    _fitted: bool
+    fit: Callable[..., Any]
+    _require_fit: Callable[[], None]
+
+    @transactional
+    def optimize_prior(
+        self: TunedT,
+        data: Batches | None = None,
+        *,
+        method: Literal["gradient", "grid"] = "gradient",
+        granularity: Literal["scalar", "layer", "diag"] = "scalar",
+        tune_noise: bool | None = None,
+        n_steps: int = 100,
+        lr: float = 0.1,
+        grid: Tensor | Sequence[float] | None = None,
+        optimizer: Optimizer = "lbfgs",
+        fixed_steps: bool = False,
+        progress: bool = False,
+    ) -> TunedT:
+        """Type-II maximum likelihood of the prior precision P0 (and, for a scalar-noise
+        regression likelihood, the noise sigma): maximise the family's log evidence
+        log p(D | P0, sigma) by :func:`gaussify.tuning.tune_hyperparameters` (scale-aware
+        start, at most ``n_steps`` iterations of ``optimizer``, "lbfgs" or "adam" with step
+        ``lr``, a convergence test and a :class:`gaussify.warnings.ConvergenceWarning` when
+        unconverged; ``fixed_steps=True``: exactly ``n_steps`` Adam steps from the current
+        value, laplace-torch's tuning). ``granularity``: one P0 ("scalar"), one per parameter
+        tensor ("layer") or one per parameter ("diag"), as the family allows
+        (:attr:`prior_granularities`: Laplace all three, FunctionalLaplace "scalar" and
+        "layer", ELLA "scalar"). ``tune_noise``: default True exactly for a regression
+        likelihood with one noise. ``method="grid"``: the best scalar prior on ``grid`` (1-D,
+        default 10^-4 .. 10^4, 41 points). The evidence: Laplace's weight-space one (a closed
+        form from the curvature's eigenvalues where they diagonalise the prior, O(P) per call;
+        else autograd through the dense evidence), FunctionalLaplace's function-space GP
+        evidence, ELLA's Nystrom evidence. ``data`` is fitted first when the posterior is not
+        fitted yet. ``progress=True`` shows the stages on ``tqdm`` bars: Laplace's factorisation
+        of the curvature (e.g. a full GGN's ``eigvalsh``, or ``eigh`` when the non-MAP
+        correction needs eigenvectors) and the evidence evaluations. The outcome is kept in
+        :attr:`tuning_result`; on an error nothing changes."""
+        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
+        check_choice(granularity, "granularity", self.prior_granularities)
+        if data is not None and not self._is_fitted():
+            self.fit(data)
+        self._require_fit()
+        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
+        if options.method == "grid":
+            evidence, dtype = self._grid_evidence(progress)
+            result = grid_search(evidence, options.grid, dtype)
+        else:
+            problem = self._evidence_problem(granularity, tune_noise, progress)
+            result = maximise_evidence(
+                problem.evidence,
+                problem.start,
+                self.sigma_noise,
+                options,
+                tune_noise=tune_noise,
+                prior_centre=problem.prior_centre,
+                noise_start=problem.noise_start,
+                caller=f"{type(self).__name__}.optimize_prior",
+                progress=progress,
+            )
+        self._set_tuned(result, granularity)
+        self.tuning_result = result
+        return self
+
+    def _is_fitted(self) -> bool:
+        return self._fitted
+
+    def _grid_evidence(
+        self, progress: bool
+    ) -> tuple[ClosedFormEvidence | Callable[[Tensor], Tensor], torch.dtype]:
+        """The scalar-prior evidence P0 -> log Z searched on the grid, and its dtype
+        (``progress``: show a long set-up as a stage)."""
+        raise NotImplementedError
+
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
+        raise NotImplementedError
+
+    def _set_tuned(self, result: TuningResult, granularity: str) -> None:
+        """Write the tuned P0 (and sigma) into the posterior."""
+        raise NotImplementedError

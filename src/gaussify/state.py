@@ -75,6 +75,7 @@ __all__ = [
     "transaction",
     "transactional",
     "validate_module_state",
+    "validate_own_state",
     "validate_posterior_state",
     "validate_state",
 ]
@@ -482,6 +483,21 @@ def validate_posterior_state(
         strict=strict,
     )
     return valid
+
+
+def validate_own_state(posterior: Any, state: Any, *, strict: bool = True) -> dict[str, Any]:
+    """:func:`validate_posterior_state` of ``state`` for ``posterior`` (a family with a
+    ``_state_schema()``, ``task``, ``model`` and ``subset``), its class name as the owner
+    named in the errors."""
+    return validate_posterior_state(
+        state,
+        posterior._state_schema(),
+        owner=type(posterior).__name__,
+        task=posterior.task,
+        model=posterior.model,
+        subset=posterior.subset,
+        strict=strict,
+    )
 
 
 def validate_module_state(

@@ -32,17 +32,8 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from gaussify.curvature.jacobian import (
-    DEFAULT_CHUNK_ELEMENTS,
-    MIN_CHUNK_ELEMENTS,
-    SubsetLike,
-    auto_chunk_size,
-    check_eval_mode,
-    chunk_slices,
-    per_sample_vjp,
-    resolve_subset,
-    squared_vjp_sum,
-)
+from gaussify.curvature import generic_jacobian as gj
+from gaussify.curvature.generic_jacobian import SubsetLike, check_eval_mode, resolve_subset
 from gaussify.curvature.lastlayer import (
     OutputLinear,
     find_output_linear,
@@ -50,6 +41,7 @@ from gaussify.curvature.lastlayer import (
     lastlayer_diag,
     lastlayer_products,
 )
+from gaussify.curvature.per_sample import per_sample_vjp, squared_vjp_sum
 from gaussify.curvature.subset import ParameterSubset, check_prior
 from gaussify.likelihoods import (
     Bernoulli,
@@ -69,6 +61,7 @@ __all__ = [
     "PosteriorPrecision",
     "Structure",
     "as_hyperparameter",
+    "check_batch",
     "check_offset",
     "cholesky_psd",
     "draw_labels",
@@ -233,7 +226,7 @@ def summed_hessian(likelihood: Likelihood, f: Tensor, out: Tensor | None = None)
     if type(likelihood) in _DIAGONAL_HESSIAN:
         out.diagonal().add_(likelihood.hessian_diag(f).sum(0).to(out.dtype))
         return out
-    for sl in chunk_slices(n, auto_chunk_size(n, 4 * c * c)):
+    for sl in gj.chunk_slices(n, gj.auto_chunk_size(n, 4 * c * c)):
         out += likelihood.hessian(f[sl]).sum(0).to(out.dtype)
     return out
 
@@ -254,6 +247,18 @@ def as_hyperparameter(value: Tensor | float, name: str, like: Tensor) -> Tensor:
             raise ValueError(f"{name}: must be finite and > 0, got {tensor}")
         tensor = tensor.reshape(())
     return tensor.to(dtype=like.dtype, device=like.device)
+
+
+def check_batch(model: nn.Module, x: Tensor, y: Tensor) -> None:
+    """The checks of one curvature batch: ``model`` in eval mode, ``x`` and ``y`` tensors
+    with the same (non-zero) number of rows."""
+    check_eval_mode(model)
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+        raise TypeError("x, y: expected tensors")
+    if x.shape[0] == 0:
+        raise ValueError("x: got an empty batch")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
 
 
 def check_offset(offset: Tensor | None, num_samples: int) -> Tensor | None:
@@ -371,7 +376,7 @@ class GaussNewtonCurvature:
                 "mc_samples: the empirical Fisher (ef=True) uses the observed labels; "
                 "set mc_samples=0 or ef=False"
             )
-        auto_chunk_size(1, 1, chunk_size)  # validates
+        gj.auto_chunk_size(1, 1, chunk_size)  # validates
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator: expected a torch.Generator, got {type(generator)}")
         self.ef = ef
@@ -409,7 +414,7 @@ class GaussNewtonCurvature:
         [MIN_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS] (tiny curvatures do not loop over single
         samples; huge ones keep the fixed budget)."""
         half = self._storage_elements() // 2
-        return min(DEFAULT_CHUNK_ELEMENTS, max(MIN_CHUNK_ELEMENTS, half))
+        return min(gj.DEFAULT_CHUNK_ELEMENTS, max(gj.MIN_CHUNK_ELEMENTS, half))
 
     def _chunk(self, num_samples: int, per_sample: int) -> int:
         """Samples per chunk: ``chunk_size`` if given, else what fits :meth:`_chunk_budget`."""
@@ -421,13 +426,7 @@ class GaussNewtonCurvature:
 
     def _check_batch(self, model: nn.Module, x: Tensor, y: Tensor) -> None:
         self.last_outputs = None
-        check_eval_mode(model)
-        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
-            raise TypeError("x, y: expected tensors")
-        if x.shape[0] == 0:
-            raise ValueError("x: got an empty batch")
-        if y.shape[0] != x.shape[0]:
-            raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
+        check_batch(model, x, y)
         named = dict(model.named_parameters())
         for name, shape in zip(self.subset.names, self.subset.shapes, strict=True):
             if name not in named or named[name].shape != shape:
@@ -465,10 +464,10 @@ class GaussNewtonCurvature:
         if not self.mc_samples:
             return None
         n, c = f.shape
-        rows = max(1, MIN_CHUNK_ELEMENTS // (self.mc_samples * c))
+        rows = max(1, gj.MIN_CHUNK_ELEMENTS // (self.mc_samples * c))
         parts = [
             draw_labels(self.likelihood, f[sl], self.mc_samples, self.generator)
-            for sl in chunk_slices(n, rows)
+            for sl in gj.chunk_slices(n, rows)
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
@@ -498,7 +497,7 @@ class GaussNewtonCurvature:
         k = self._num_factors(f.shape[1])
         # a subnetwork's products are formed over its support tensors, then gathered
         chunk = self._chunk(n, k * self.subset.support.num_params)
-        for sl in chunk_slices(n, chunk):
+        for sl in gj.chunk_slices(n, chunk):
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
             if phi is not None and self._layer is not None:
                 yield lastlayer_products(phi[sl], factor, self._layer)
@@ -527,7 +526,7 @@ class GaussNewtonCurvature:
         assert self._layer is not None
         n, c = f.shape
         # about 8 (B, C) temporaries for sampled labels: one-hot, softmax, residual, square
-        slices = list(chunk_slices(n, self._chunk(n, 8 * c)))
+        slices = list(gj.chunk_slices(n, self._chunk(n, 8 * c)))
 
         def middle(sl: slice) -> Tensor:
             return self._factor_diag(f[sl], y[sl], None if draws is None else draws[:, sl])

@@ -59,8 +59,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from gaussify.curvature.base import check_offset, summed_hessian
-from gaussify.curvature.jacobian import SubsetLike, check_eval_mode, resolve_subset
+from gaussify.curvature.base import check_batch, check_offset, summed_hessian
+from gaussify.curvature.jacobian import SubsetLike, resolve_subset
 from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
@@ -296,13 +296,7 @@ class KronGGN:
         of ``chunk_size`` samples if one was given (that bounds the activation memory).
         ``offset (N, C)``, if given, is added to the outputs where Lambda (or the residual) is
         evaluated: the curvature of the network linearised here, at f + offset."""
-        check_eval_mode(model)
-        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
-            raise TypeError("x, y: expected tensors")
-        if x.shape[0] == 0:
-            raise ValueError("x: got an empty batch")
-        if y.shape[0] != x.shape[0]:
-            raise ValueError(f"y: batch size {y.shape[0]} does not match x's {x.shape[0]}")
+        check_batch(model, x, y)
         modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
         offset = check_offset(offset, x.shape[0])
         step = self.chunk_size or x.shape[0]

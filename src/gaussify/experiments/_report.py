@@ -37,6 +37,7 @@ __all__ = [
     "report",
     "run_main",
     "write_json",
+    "write_output",
 ]
 
 
@@ -126,6 +127,14 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def write_output(args: argparse.Namespace, payload: dict[str, Any]) -> int:
+    """Write ``payload`` to ``args.output`` (as JSON, saying where) when it was given; the
+    command's exit status 0."""
+    if args.output is not None:
+        print(f"wrote {write_json(args.output, payload)}")
+    return 0
+
+
 def print_summary(result: Any, title: str | None = None) -> None:
     """Print ``title``, ``result.table()``, each of ``result.notes`` (if any) and the runtime."""
     if title is not None:
@@ -148,6 +157,4 @@ def report(
     print_summary(result, title)
     if plot is not None and args.figure is not None:
         print(f"wrote {plot(result, args.figure)}")
-    if args.output is not None:
-        print(f"wrote {write_json(args.output, result.to_dict())}")
-    return 0
+    return write_output(args, result.to_dict())

@@ -9,13 +9,21 @@
   one method loop: each data set x seed, with a progress bar);
 * the aggregation: :func:`mean_se` (mean and standard error ``std(ddof=1) / sqrt(n)`` over
   seeds / splits) and :func:`fmt` (``mean ± se`` as printed in every table);
-* the paper values: :func:`paper_table`, read from ``paper_tables.json`` next to this module.
+* the paper values: :func:`paper_table`, read from ``paper_tables.json`` next to this module;
+* small shared pieces: :data:`IMAGE_DATASETS` and their :data:`OOD_PARTNER`,
+  :func:`tanh_mlp` (the seeded float64 tanh network of the regression experiments),
+  :func:`train_map_eval` (its MAP training, Adam at 1e-3 under a unit prior),
+  :func:`group_records` (records by data set, in first-seen order), :func:`check_known`
+  (unknown names in an option, with the experiment's message), :func:`result_fields` (the
+  fields every results dataclass has), :func:`summary_rows` (one row per data set and
+  method: each metric's mean and standard error over the seeds).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
@@ -24,6 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from gaussify import data as gdata
 from gaussify.experiments._report import (
@@ -34,17 +43,30 @@ from gaussify.experiments._report import (
     progress_bar,
     report,
 )
+from gaussify.training import train_map
 
 __all__ = [
+    "IMAGE_DATASETS",
+    "OOD_PARTNER",
+    "check_known",
     "choose_datasets",
     "cli",
     "fmt",
     "grid",
+    "group_records",
     "mean_se",
     "paper_table",
+    "result_fields",
     "seed_list",
+    "summary_rows",
+    "tanh_mlp",
     "torch_threads",
+    "train_map_eval",
 ]
+
+#: the shipped image sets of the image experiments, and the OOD set each is scored against
+IMAGE_DATASETS: tuple[str, ...] = ("mnist", "fashion_mnist")
+OOD_PARTNER: dict[str, str] = {"mnist": "fashion_mnist", "fashion_mnist": "mnist"}
 
 _T = TypeVar("_T")
 _UNSET: Any = object()
@@ -199,3 +221,106 @@ def cli(
     result = run(**kwargs, **(extra or {}))
     heading = title(result) if callable(title) else title
     return report(result, args, title=heading, plot=plot)
+
+
+def tanh_mlp(d_in: int, d_out: int, width: int, depth: int, seed: int) -> nn.Sequential:
+    """``d_in``-``width``-...-``d_out`` MLP with ``depth`` tanh hidden layers (0: one linear
+    layer), float64, initialised after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    d = d_in
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.Tanh()]
+        d = width
+    layers.append(nn.Linear(d, d_out))
+    return nn.Sequential(*layers).double()
+
+
+def check_known(values: Iterable[str], known: Iterable[str], message: str) -> None:
+    """``ValueError(message.format(bad=[...]))`` listing the ``values`` not in ``known``."""
+    allowed = set(known)
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(message.format(bad=bad))
+
+
+def train_map_eval(
+    model: nn.Module, data: tuple[Any, Any], task: str, cfg: dict[str, Any], batch_size: int
+) -> None:
+    """MAP-train ``model`` on ``data`` (:func:`gaussify.train_map`: unit prior precision, Adam
+    at lr 1e-3, ``cfg["epochs"]`` epochs seeded by ``cfg["seed"]``) and put it in eval mode."""
+    train_map(
+        model,
+        data,
+        task,
+        prior_precision=1.0,
+        epochs=cfg["epochs"],
+        lr=1e-3,
+        batch_size=batch_size,
+        seed=cfg["seed"],
+    )
+    model.eval()
+
+
+def group_records(
+    records: Iterable[dict[str, Any]], key: str = "dataset"
+) -> dict[Any, list[dict[str, Any]]]:
+    """The ``records`` grouped by their ``key`` value, groups in first-seen order."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for rec in records:
+        groups.setdefault(rec[key], []).append(rec)
+    return groups
+
+
+def result_fields(
+    cfg: Any,
+    rows: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    notes: list[str],
+    start: float,
+) -> dict[str, Any]:
+    """The fields every results dataclass has: ``config`` (the dataclass ``cfg``'s fields
+    and the torch version), ``rows``, ``records``, ``notes`` and ``runtime_s`` since the
+    ``time.perf_counter()`` value ``start``."""
+    return {
+        "config": {**cfg.__dict__, "torch": torch.__version__},
+        "rows": rows,
+        "records": records,
+        "notes": notes,
+        "runtime_s": time.perf_counter() - start,
+    }
+
+
+def summary_rows(
+    records: list[dict[str, Any]],
+    datasets: Sequence[str],
+    methods: Sequence[str],
+    labels: dict[str, str],
+    keys: Sequence[str],
+    *,
+    sort_key: str | None = None,
+) -> list[dict[str, Any]]:
+    """One row per data set and method that has records (in the order of ``datasets`` and
+    ``methods``): ``dataset``, ``method``, ``label``, ``num_seeds`` and, for each of ``keys``
+    that some of its records have, ``{key}_mean`` / ``{key}_se`` by :func:`mean_se` (None for
+    one record) over the records, taken in the order of ``sort_key`` where given."""
+    rows = []
+    for name in datasets:
+        for method in methods:
+            sel = [r for r in records if r["dataset"] == name and r["method"] == method]
+            if sort_key is not None:
+                sel.sort(key=lambda r: r[sort_key])
+            if not sel:
+                continue
+            row: dict[str, Any] = {
+                "dataset": name,
+                "method": method,
+                "label": labels[method],
+                "num_seeds": len(sel),
+            }
+            for key in keys:
+                vals = [r[key] for r in sel if key in r]
+                if vals:
+                    row[f"{key}_mean"], row[f"{key}_se"] = mean_se(vals, single=None)
+            rows.append(row)
+    return rows

@@ -32,7 +32,7 @@ from gaussify.experiments._report import (
     progress_bar,
     run_main,
 )
-from gaussify.experiments._runner import cli
+from gaussify.experiments._runner import check_known, cli
 from gaussify.last_layer.active import active_learning
 from gaussify.plots import save_figure
 
@@ -135,15 +135,10 @@ def run(
         chosen = ["breast_cancer"] if datasets is None else chosen
         steps, methods = min(steps, 20), list(methods)[:2]
     known = gdata.list()
-    bad = [d for d in chosen if d not in known]
-    if bad:
-        raise ValueError(f"datasets: unknown data set(s) {bad}; see gaussify.data.list()")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"methods: unknown {unknown}; the logit basis has {list(METHODS)}")
-    wrong = [a for a in acquisitions if a not in ACQUISITIONS]
-    if wrong:
-        raise ValueError(f"acquisitions: unknown {wrong}; choose from {list(ACQUISITIONS)}")
+    check_known(chosen, known, "datasets: unknown data set(s) {bad}; see gaussify.data.list()")
+    check_known(methods, METHODS, f"methods: unknown {{bad}}; the logit basis has {list(METHODS)}")
+    allowed = list(ACQUISITIONS)
+    check_known(acquisitions, allowed, f"acquisitions: unknown {{bad}}; choose from {allowed}")
     for name, value in (("pool_size", pool_size), ("steps", steps), ("num_initial", num_initial)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -44,7 +44,12 @@ from gaussify import data as gdata
 from gaussify import metrics
 from gaussify.approx_likelihoods.gp_classification import GPClassifier
 from gaussify.cli_args import ArgumentParser, positive_float, positive_int
-from gaussify.experiments._report import add_progress_argument, check_outputs, run_main, write_json
+from gaussify.experiments._report import (
+    add_progress_argument,
+    check_outputs,
+    run_main,
+    write_output,
+)
 from gaussify.experiments._runner import choose_datasets, seed_list, torch_threads
 
 __all__ = [
@@ -562,9 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         payload["landscape_s"] = time.perf_counter() - start
         print(f"wrote {args.figure}")
-    if args.output is not None:
-        print(f"wrote {write_json(args.output, payload)}")
-    return 0
+    return write_output(args, payload)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from gaussify.experiments._report import (
     progress_bar,
     run_main,
 )
-from gaussify.experiments._runner import cli
+from gaussify.experiments._runner import check_known, cli
 from gaussify.last_layer.adf import ADFLastLayer, SGDLastLayer
 from gaussify.last_layer.exact import ExactLastLayer
 from gaussify.plots import save_figure
@@ -296,9 +296,7 @@ def run(
             chosen = ["mnist"]
         num_points, width, num_test = min(num_points, 200), min(width, 32), num_test or 500
     known = gdata.list()
-    bad = [d for d in chosen if d not in known]
-    if bad:
-        raise ValueError(f"datasets: unknown data set(s) {bad}; see gaussify.data.list()")
+    check_known(chosen, known, "datasets: unknown data set(s) {bad}; see gaussify.data.list()")
     seed_list = list(range(1 if quick else seeds)) if isinstance(seeds, int) else list(seeds)
     if not seed_list:
         raise ValueError("seeds: need at least one seed")

@@ -40,10 +40,18 @@ from torch import Tensor, nn
 import gaussify as gs
 from gaussify import metrics
 from gaussify.cli_args import finite_float, nonnegative_int, positive_int
+from gaussify.experiments import function_space_regression as fs_regression
 from gaussify.experiments._report import (
     run_main,
 )
-from gaussify.experiments._runner import cli
+from gaussify.experiments._runner import (
+    IMAGE_DATASETS,
+    OOD_PARTNER,
+    check_known,
+    cli,
+    group_records,
+    train_map_eval,
+)
 from gaussify.experiments.function_space_regression import (
     WEIGHT_SPACE,
     run_datasets,
@@ -62,26 +70,10 @@ __all__ = [
     "run",
 ]
 
-DATASETS: tuple[str, ...] = ("mnist", "fashion_mnist")
-OOD_PARTNER: dict[str, str] = {"mnist": "fashion_mnist", "fashion_mnist": "mnist"}
-METHODS: tuple[str, ...] = (
-    "map",
-    "last_layer",
-    "diag",
-    "kfac",
-    "functional_laplace",
-    "ella",
-    "valla",
-)
-LABELS: dict[str, str] = {
-    "map": "MAP",
-    "last_layer": "LL Laplace",
-    "diag": "Diag Laplace",
-    "kfac": "KFAC Laplace",
-    "functional_laplace": "FunctionalLaplace (subset)",
-    "ella": "ELLA",
-    "valla": "VaLLA",
-}
+DATASETS = IMAGE_DATASETS
+#: the methods of the regression benchmark but Sampled-LLA, with its labels
+METHODS: tuple[str, ...] = tuple(m for m in fs_regression.METHODS if m != "sampled_lla")
+LABELS: dict[str, str] = {m: fs_regression.LABELS[m] for m in METHODS}
 ANGLES: tuple[float, ...] = (0.0, 45.0, 90.0, 180.0)
 
 
@@ -239,12 +231,8 @@ def run(
     start = time.perf_counter()
     datasets = list(datasets or DATASETS)
     methods = list(methods or METHODS)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"methods: unknown {unknown}; choose from {METHODS}")
-    bad = [d for d in datasets if d not in OOD_PARTNER]
-    if bad:
-        raise ValueError(f"datasets: {bad} not supported; choose from {DATASETS}")
+    check_known(methods, METHODS, f"methods: unknown {{bad}}; choose from {METHODS}")
+    check_known(datasets, OOD_PARTNER, f"datasets: {{bad}} not supported; choose from {DATASETS}")
     cfg: dict[str, Any] = {
         "datasets": datasets,
         "methods": methods,
@@ -280,17 +268,7 @@ def _run_dataset(
     x_ood = other.x_test[:n_test]
     x, y = ds.x_train, ds.y_train
     model = make_mlp(x.shape[1], cfg["width"], int(ds.num_classes or 10), cfg["seed"])
-    gs.train_map(
-        model,
-        (x, y),
-        "classification",
-        prior_precision=1.0,
-        epochs=cfg["epochs"],
-        lr=1e-3,
-        batch_size=128,
-        seed=cfg["seed"],
-    )
-    model.eval()
+    train_map_eval(model, (x, y), "classification", cfg, batch_size=128)
     records = []
     for method in methods:
         t = time.perf_counter()
@@ -319,8 +297,7 @@ def _run_dataset(
 
 def _notes(records: list[dict[str, Any]]) -> list[str]:
     notes = []
-    for name in dict.fromkeys(r["dataset"] for r in records):
-        rows = [r for r in records if r["dataset"] == name]
+    for name, rows in group_records(records).items():
         best_nll = min(rows, key=lambda r: r["nll"])
         best_ood = max(rows, key=lambda r: r["ood_auroc"])
         notes.append(

@@ -41,7 +41,7 @@ from gaussify.experiments._report import (
     progress_bar,
     run_main,
 )
-from gaussify.experiments._runner import cli
+from gaussify.experiments._runner import cli, group_records, tanh_mlp, train_map_eval
 from gaussify.predictive import Predictive
 
 __all__ = [
@@ -90,14 +90,7 @@ WEIGHT_SPACE: dict[str, tuple[str, str]] = {
 
 def make_mlp(d_in: int, d_out: int, width: int = 200, depth: int = 3, seed: int = 0) -> nn.Module:
     """``depth`` hidden tanh layers of ``width`` units, float64, seeded."""
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    d = d_in
-    for _ in range(depth):
-        layers += [nn.Linear(d, width), nn.Tanh()]
-        d = width
-    layers.append(nn.Linear(d, d_out))
-    return nn.Sequential(*layers).double()
+    return tanh_mlp(d_in, d_out, width, depth, seed)
 
 
 def evaluate(pred: Predictive, y: Tensor) -> dict[str, float]:
@@ -314,17 +307,7 @@ def _run_dataset(
     x, y = ds.x_train, ds.y_train
     model = make_mlp(x.shape[1], 1, cfg["width"], cfg["depth"], cfg["seed"])
     t = time.perf_counter()
-    gs.train_map(
-        model,
-        (x, y),
-        "regression",
-        prior_precision=1.0,
-        epochs=cfg["epochs"],
-        lr=1e-3,
-        batch_size=256,
-        seed=cfg["seed"],
-    )
-    model.eval()
+    train_map_eval(model, (x, y), "regression", cfg, batch_size=256)
     train_s = time.perf_counter() - t
     with torch.no_grad():
         sigma = float((model(x) - y).square().mean().sqrt())
@@ -344,8 +327,7 @@ def _run_dataset(
 
 def _notes(records: list[dict[str, Any]]) -> list[str]:
     notes = []
-    for name in dict.fromkeys(r["dataset"] for r in records):
-        rows = [r for r in records if r["dataset"] == name]
+    for name, rows in group_records(records).items():
         for key in ("nll", "crps", "cqm"):
             best = min(rows, key=lambda r: r[key] if math.isfinite(r[key]) else math.inf)
             notes.append(f"{name}: best {key.upper()} {LABELS[best['method']]} ({best[key]:.3f})")

@@ -209,43 +209,22 @@ def _run(
     lla.fit((x, y)).optimize_prior()
     delta, sigma = lla.prior_precision.detach(), lla.sigma_noise.detach()
     score("lla", None, lla, time.perf_counter() - t)
+
+    def fit_and_score(method: str, m: int | None, family: Any, **options: Any) -> None:
+        """Fit ``family`` at the exact LLA's tuned (delta, sigma) and score it, timed."""
+        t = time.perf_counter()
+        post = family(model, "regression", prior_precision=delta, sigma_noise=sigma, **options)
+        score(method, m, post.fit((x, y)), time.perf_counter() - t)
+
     for m in ms:
-        t = time.perf_counter()
-        valla = gs.VaLLA(
-            model,
-            "regression",
-            num_inducing=m,
-            prior_precision=delta,
-            sigma_noise=sigma,
-            learn_prior=False,
-            batch_size=x.shape[0],
-            epochs=valla_steps,
-            seed=seed,
-        ).fit((x, y))
-        score("valla", m, valla, time.perf_counter() - t)
-        t = time.perf_counter()
-        ella = gs.ELLA(
-            model,
-            "regression",
-            num_landmarks=m,
-            landmarks="kmeans",
-            prior_precision=delta,
-            sigma_noise=sigma,
-            seed=seed,
-        ).fit((x, y))
-        score("ella", m, ella, time.perf_counter() - t)
-    t = time.perf_counter()
-    sampled = gs.SampledLLA(
-        model,
-        "regression",
-        prior_precision=delta,
-        sigma_noise=sigma,
-        num_samples=samples,
-        solver="cg",
-        epochs=200,
-        seed=seed,
-    ).fit((x, y))
-    score("sampled_lla", None, sampled, time.perf_counter() - t)
+        fit_and_score(
+            "valla", m, gs.VaLLA, num_inducing=m, learn_prior=False, batch_size=x.shape[0],
+            epochs=valla_steps, seed=seed,
+        )  # fmt: skip
+        fit_and_score("ella", m, gs.ELLA, num_landmarks=m, landmarks="kmeans", seed=seed)
+    fit_and_score(
+        "sampled_lla", None, gs.SampledLLA, num_samples=samples, solver="cg", epochs=200, seed=seed
+    )
 
     grid_x = parts["grid"][0]
     bands: dict[str, list[float]] = {"x": grid_x[:, 0].tolist()}

@@ -51,6 +51,7 @@ from gaussify.experiments._report import (
     report,
     run_main,
 )
+from gaussify.experiments._runner import tanh_mlp
 from gaussify.predictive import Predictive
 from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN
 
@@ -107,14 +108,7 @@ def make_model(inputs: int, width: int = 20, depth: int = 2, seed: int = 0) -> n
     layer), float64, initialised from ``torch.manual_seed(seed)``."""
     if depth < 0 or width < 1:
         raise ValueError(f"depth, width: expected depth >= 0 and width >= 1, got {depth}, {width}")
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    d_in = inputs
-    for _ in range(depth):
-        layers += [nn.Linear(d_in, width), nn.Tanh()]
-        d_in = width
-    layers.append(nn.Linear(d_in, 1))
-    return nn.Sequential(*layers).double()
+    return tanh_mlp(inputs, 1, width, depth, seed)
 
 
 def _schedule(steps: int, gammas: Sequence[float]) -> list[tuple[float, int]]:

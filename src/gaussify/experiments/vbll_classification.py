@@ -50,7 +50,16 @@ from gaussify.experiments._report import (
     run_main,
     write_json,
 )
-from gaussify.experiments._runner import fmt, mean_se, seed_list, torch_threads
+from gaussify.experiments._runner import (
+    IMAGE_DATASETS,
+    OOD_PARTNER,
+    check_known,
+    fmt,
+    result_fields,
+    seed_list,
+    summary_rows,
+    torch_threads,
+)
 from gaussify.last_layer import GVBLLMAP, VBLLDiscriminative, VBLLGenerative
 from gaussify.plots import save_figure
 
@@ -67,9 +76,8 @@ __all__ = [
     "run",
 ]
 
-DATASETS: tuple[str, ...] = ("mnist", "fashion_mnist")
-#: in-distribution set -> the OOD set scored against it
-OOD_PAIR: dict[str, str] = {"mnist": "fashion_mnist", "fashion_mnist": "mnist"}
+DATASETS = IMAGE_DATASETS
+OOD_PAIR = OOD_PARTNER  # in-distribution set -> the OOD set scored against it
 METHODS: tuple[str, ...] = ("map", "dvbll", "gvbll")
 METHOD_LABELS: dict[str, str] = {"map": "MAP softmax", "dvbll": "D-VBLL", "gvbll": "G-VBLL"}
 
@@ -326,9 +334,7 @@ def run(
     chosen = list(DATASETS if datasets is None else datasets)
     if quick and datasets is None:
         chosen = ["mnist"]
-    bad = [d for d in chosen if d not in OOD_PAIR]
-    if bad:
-        raise ValueError(f"datasets: expected names from {DATASETS}, got {bad}")
+    check_known(chosen, OOD_PAIR, f"datasets: expected names from {DATASETS}, got {{bad}}")
     seed_ids = seed_list(seeds, 1, quick=quick)
     cfg = Config(
         datasets=chosen,
@@ -419,11 +425,7 @@ def run(
         f"D-VBLL probabilities: Monte Carlo over {num_samples} logit samples.",
     ]
     return VBLLClassificationResults(
-        config={**cfg.__dict__, "torch": torch.__version__},
-        rows=summarise(records, chosen),
-        records=records,
-        notes=notes,
-        runtime_s=time.perf_counter() - start,
+        **result_fields(cfg, summarise(records, chosen), records, notes, start),
         predictions=predictions,
         models=models,
     )
@@ -441,24 +443,7 @@ def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[di
         "auroc_density",
         "auroc_density_map",
     )
-    rows = []
-    for name in datasets:
-        for method in METHODS:
-            sel = [r for r in records if r["dataset"] == name and r["method"] == method]
-            if not sel:
-                continue
-            row: dict[str, Any] = {
-                "dataset": name,
-                "method": method,
-                "label": METHOD_LABELS[method],
-                "num_seeds": len(sel),
-            }
-            for key in keys:
-                vals = [r[key] for r in sel if key in r]
-                if vals:
-                    row[f"{key}_mean"], row[f"{key}_se"] = mean_se(vals, single=None)
-            rows.append(row)
-    return rows
+    return summary_rows(records, datasets, METHODS, METHOD_LABELS, keys)
 
 
 # --------------------------------------------------------------------------------------------

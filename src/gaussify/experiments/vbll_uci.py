@@ -61,9 +61,10 @@ from gaussify.experiments._runner import (
     choose_datasets,
     cli,
     fmt,
-    mean_se,
     paper_table,
+    result_fields,
     seed_list,
+    summary_rows,
     torch_threads,
 )
 from gaussify.experiments.stacked_training import select_epoch
@@ -475,27 +476,11 @@ def _laplace(model: MAPRegressor, x: Tensor, y: Tensor, tune_noise: bool = True)
 def summarise(records: list[dict[str, Any]], datasets: Sequence[str]) -> list[dict[str, Any]]:
     """One row per data set and method: test NLL / RMSE mean ± standard error over seeds
     (original units), with the paper's Table 2 entry of :data:`PAPER_ROW`."""
-    rows = []
-    for name in datasets:
-        for method in METHODS:
-            sel = sorted(
-                (r for r in records if r["dataset"] == name and r["method"] == method),
-                key=lambda r: r["seed"],
-            )
-            if not sel:
-                continue
-            row: dict[str, Any] = {
-                "dataset": name,
-                "method": method,
-                "label": METHOD_LABELS[method],
-                "num_seeds": len(sel),
-            }
-            for key in ("test_nll", "test_rmse", "test_nll_model_units", "selected_epochs"):
-                mean, se = mean_se([r[key] for r in sel], single=None)
-                row[f"{key}_mean"], row[f"{key}_se"] = mean, se
-            row["paper_row"] = PAPER_ROW[method]
-            row["paper"] = PAPER_TABLE2.get(name, {}).get(PAPER_ROW[method])
-            rows.append(row)
+    keys = ("test_nll", "test_rmse", "test_nll_model_units", "selected_epochs")
+    rows = summary_rows(records, datasets, METHODS, METHOD_LABELS, keys, sort_key="seed")
+    for row in rows:
+        row["paper_row"] = PAPER_ROW[row["method"]]
+        row["paper"] = PAPER_TABLE2.get(row["dataset"], {}).get(row["paper_row"])
     return rows
 
 
@@ -584,11 +569,7 @@ def run(
     if capped:
         notes.append(f"training parts subsampled to at most {capped} rows.")
     return VBLLUCIResults(
-        config={**cfg.__dict__, "torch": torch.__version__},
-        rows=summarise(records, chosen),
-        records=records,
-        notes=notes,
-        runtime_s=time.perf_counter() - start,
+        **result_fields(cfg, summarise(records, chosen), records, notes, start),
         models=kept,
     )
 

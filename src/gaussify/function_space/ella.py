@@ -30,18 +30,20 @@ for regression the sufficient statistics are stored per output so the noise can 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
 from gaussify import distributed
+from gaussify import state as st
 from gaussify.batches import Batches, as_batches, num_examples
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.evidence import (
     feature_log_evidence,
+    finite_evidence,
     gaussian_log_likelihood,
     log_likelihood_supremum,
     warn_dropped_correction,
@@ -52,34 +54,10 @@ from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_li
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.posterior import DeclaredCapabilities
-from gaussify.predictive import (
-    LinkName,
-    Predictive,
-    posterior_predictive,
-)
-from gaussify.prior_tuning import (
-    hyperparameters_or_current,
-    maximise_evidence,
-    noise_to_tune,
-    tuning_options,
-)
-from gaussify.state import (
-    Integer,
-    Nested,
-    TensorSpec,
-    copy_state,
-    identity,
-    identity_schema,
-    transactional,
-    validate_posterior_state,
-)
-from gaussify.tuning import (
-    Optimizer,
-    TuningResult,
-    grid_search,
-    prior_from_weights,
-    residual_rms,
-)
+from gaussify.predictive import LinkName, Predictive, posterior_predictive
+from gaussify.prior_tuning import EvidenceProblem, EvidenceTuning, hyperparameters_or_current
+from gaussify.state import copy_state, identity, transactional
+from gaussify.tuning import TuningResult, prior_from_weights, residual_rms
 from gaussify.validation import check_count, check_inputs, validated_batches
 
 __all__ = ["ELLA", "nystrom_projection", "select_landmarks"]
@@ -146,7 +124,7 @@ def select_landmarks(
     return x_all[torch.tensor(idx)]
 
 
-class ELLA(DeclaredCapabilities):
+class ELLA(EvidenceTuning, DeclaredCapabilities):
     """Nystrom-accelerated linearised Laplace (Deng et al. 2022) with the full C x C
     likelihood Hessian blocks.
 
@@ -388,62 +366,27 @@ class ELLA(DeclaredCapabilities):
         )
         if result.dropped:
             warn_dropped_correction(result, self, self._stats)
-        value = result.value.to(dtype)
-        if not torch.isfinite(value):
-            raise FloatingPointError(
-                f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
-            )
-        return value
+        return finite_evidence(result.value.to(dtype))
 
-    @transactional
-    def optimize_prior(
-        self,
-        data: Batches | None = None,
-        *,
-        method: Literal["gradient", "grid"] = "gradient",
-        tune_noise: bool | None = None,
-        n_steps: int = 100,
-        lr: float = 0.1,
-        grid: Tensor | Sequence[float] | None = None,
-        optimizer: Optimizer = "lbfgs",
-        fixed_steps: bool = False,
-    ) -> ELLA:
-        """Type-II maximum likelihood of a scalar prior precision (and the regression noise)
-        with the Nystrom evidence, by the shared routine
-        :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
-        iterations, convergence test, :class:`gaussify.warnings.ConvergenceWarning` when it
-        stops unconverged; ``lr`` is the step of ``optimizer="adam"``; ``fixed_steps=True``: exactly
-        ``n_steps`` Adam steps from the current value, as laplace-torch); ``method="grid"``:
-        the best prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
-        :attr:`tuning_result`. ``data`` is fitted first when not fitted yet."""
-        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
-        if data is not None and not self._fitted:
-            self.fit(data)
-        self._require_fit()
-        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
-        dtype = self._proj.dtype
-        if method == "grid":
-            result = grid_search(self.log_marginal_likelihood, options.grid, dtype)
-            self.prior_precision = result.prior_precision
-        else:
-            noise_start = residual_rms(self._stats["sse"], self.num_data) if tune_noise else None
-            result = maximise_evidence(
-                self.log_marginal_likelihood,
-                self.prior_precision.reshape(()).to(dtype),
-                self.sigma_noise,
-                options,
-                tune_noise=tune_noise,
-                prior_centre=prior_from_weights(self.theta_star),
-                noise_start=noise_start,
-                caller="ELLA.optimize_prior",
-            )
-            self.prior_precision = result.prior_precision
-            if result.sigma_noise is not None:
-                self.sigma_noise = result.sigma_noise
-                self.likelihood = get_likelihood("regression", sigma_noise=result.sigma_noise)
-        self.tuning_result = result
+    def _grid_evidence(self, progress: bool) -> tuple[Callable[[Tensor], Tensor], torch.dtype]:
+        return self.log_marginal_likelihood, self._proj.dtype
+
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
+        return EvidenceProblem(
+            self.log_marginal_likelihood,
+            self.prior_precision.reshape(()).to(self._proj.dtype),
+            prior_from_weights(self.theta_star),
+            residual_rms(self._stats["sse"], self.num_data) if tune_noise else None,
+        )
+
+    def _set_tuned(self, result: TuningResult, granularity: str) -> None:
+        self.prior_precision = result.prior_precision
+        if result.sigma_noise is not None:
+            self.sigma_noise = result.sigma_noise
+            self.likelihood = get_likelihood("regression", sigma_noise=result.sigma_noise)
         self._chol = None
-        return self
 
     # ------------------------------------------------------------------ prediction
     def _posterior_chol(self) -> tuple[Tensor, Tensor]:
@@ -531,16 +474,18 @@ class ELLA(DeclaredCapabilities):
         else:
             stats = {"gram": ("R", "R"), "s": ("R",), "log_lik": (), "rm": (), "mlm": ()}
         return {
-            **identity_schema(self.task, self.subset.names),
-            "landmarks": TensorSpec(("M", ...), None),
-            "projection": TensorSpec((None, "R"), dt),
-            "prior_fit": TensorSpec(None, dt, positive=True),
-            "prior_precision": TensorSpec(None, dt, positive=True),
-            "sigma_noise": TensorSpec(None, dt, positive=True),
-            "theta_star": TensorSpec(("P",), dt),
-            "num_data": Integer(1),
+            **st.identity_schema(self.task, self.subset.names),
+            "landmarks": st.TensorSpec(("M", ...), None),
+            "projection": st.TensorSpec((None, "R"), dt),
+            "prior_fit": st.TensorSpec(None, dt, positive=True),
+            "prior_precision": st.TensorSpec(None, dt, positive=True),
+            "sigma_noise": st.TensorSpec(None, dt, positive=True),
+            "theta_star": st.TensorSpec(("P",), dt),
+            "num_data": st.Integer(1),
             # the statistics are summed in float64 (a state in the model's dtype loads too)
-            "stats": Nested({k: TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}),
+            "stats": st.Nested(
+                {k: st.TensorSpec(s, (dt, torch.float64)) for k, s in stats.items()}
+            ),
         }
 
     @transactional
@@ -549,15 +494,7 @@ class ELLA(DeclaredCapabilities):
         whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
         against the model (a mismatch raises; ``strict=False`` warns); a failed load
         changes nothing."""
-        valid = validate_posterior_state(
-            state,
-            self._state_schema(),
-            owner="ELLA",
-            task=self.task,
-            model=self.model,
-            subset=self.subset,
-            strict=strict,
-        )
+        valid = st.validate_own_state(self, state, strict=strict)
         expand_prior(valid["prior_fit"], self.subset)  # the granularity fits this subset
         self._z, self._proj = valid["landmarks"].clone(), valid["projection"].clone()
         self._prior_fit = valid["prior_fit"].clone()

@@ -31,19 +31,21 @@ up to a few thousand; ``num_data_subset`` conditions on a random subset of the d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from gaussify import distributed
+from gaussify import state as st
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import chunk_slices, jvp, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.evidence import (
     EvidenceValue,
     apply_rule,
+    finite_evidence,
     log_likelihood_supremum,
     warn_dropped_correction,
 )
@@ -52,36 +54,10 @@ from gaussify.function_space.pathwise import pathwise_sample
 from gaussify.likelihoods import Gaussian, Likelihood, check_sigma_noise, get_likelihood
 from gaussify.memory_guard import check_allocation
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
-from gaussify.predictive import (
-    LinkName,
-    Predictive,
-    posterior_predictive,
-)
-from gaussify.prior_tuning import (
-    hyperparameters_or_current,
-    maximise_evidence,
-    noise_to_tune,
-    tuning_options,
-)
-from gaussify.state import (
-    Integer,
-    Maybe,
-    NameGroups,
-    StateError,
-    TensorSpec,
-    copy_state,
-    identity,
-    identity_schema,
-    transactional,
-    validate_posterior_state,
-)
-from gaussify.tuning import (
-    Optimizer,
-    TuningResult,
-    check_choice,
-    grid_search,
-    prior_from_weights,
-)
+from gaussify.predictive import LinkName, Predictive, posterior_predictive
+from gaussify.prior_tuning import EvidenceProblem, EvidenceTuning, hyperparameters_or_current
+from gaussify.state import copy_state, identity, transactional
+from gaussify.tuning import TuningResult, prior_from_weights
 from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
@@ -249,7 +225,7 @@ def _collect(data: Batches, batch_size: int) -> tuple[Tensor, Tensor]:
 
 
 # ---------------------------------------------------------------------- the posterior
-class FunctionalLaplace:
+class FunctionalLaplace(EvidenceTuning):
     """Laplace-GGN posterior of ``model`` as a Gaussian process over its outputs (thesis
     Thm 3.2, eq. 3.13, 3.17-3.19): same predictive and evidence as
     ``gs.Laplace(model, likelihood, "full")`` at the same theta*, at O((NC)^3) instead of
@@ -263,6 +239,8 @@ class FunctionalLaplace:
     costs O((NC)^3)). ``max_kernel_size``: largest N C accepted without a subset.
     ``route``: kernel route (:func:`gaussify.function_space.ntk.ntk`).
     """
+
+    prior_granularities = ("scalar", "layer")
 
     def __init__(
         self,
@@ -445,49 +423,15 @@ class FunctionalLaplace:
         )
         if result.dropped:
             warn_dropped_correction(result, self, self._m)
-        value = result.value.to(self._f.dtype)
-        if not torch.isfinite(value):
-            raise FloatingPointError(
-                f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
-            )
-        return value
+        return finite_evidence(result.value.to(self._f.dtype))
 
-    @transactional
-    def optimize_prior(
-        self,
-        data: Batches | None = None,
-        *,
-        method: Literal["gradient", "grid"] = "gradient",
-        granularity: Granularity = "scalar",
-        tune_noise: bool | None = None,
-        n_steps: int = 100,
-        lr: float = 0.1,
-        grid: Tensor | Sequence[float] | None = None,
-        optimizer: Optimizer = "lbfgs",
-        fixed_steps: bool = False,
-    ) -> FunctionalLaplace:
-        """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
-        with the function-space evidence, by the shared routine
-        :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
-        iterations, convergence test, :class:`gaussify.warnings.ConvergenceWarning` when it
-        stops unconverged; ``lr`` is the step of ``optimizer="adam"``; ``fixed_steps=True``: exactly
-        ``n_steps`` Adam steps from the current value, as laplace-torch). ``granularity``
-        "scalar" or "layer" (one per parameter tensor); ``method="grid"``: the best scalar
-        prior on ``grid`` (default 10^-4 .. 10^4, 41 points). The outcome is kept in
-        :attr:`tuning_result`. ``data`` is fitted first when the posterior is not fitted yet."""
-        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
-        check_choice(granularity, "granularity", ("scalar", "layer"))
-        if data is not None and not self._fitted:
-            self.fit(data)
-        self._require_fit()
-        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
+    def _grid_evidence(self, progress: bool) -> tuple[Callable[[Tensor], Tensor], torch.dtype]:
+        return self.log_marginal_likelihood, self._f.dtype
+
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
         dtype = self._f.dtype
-        if method == "grid":
-            result = grid_search(self.log_marginal_likelihood, options.grid, dtype)
-            self.prior_precision = result.prior_precision
-            self.tuning_result = result
-            self._chol = None
-            return self
         init = expand_prior(self.prior_precision, self.subset).to(dtype)
         if granularity == "scalar":
             start = init.mean().reshape(())
@@ -498,25 +442,18 @@ class FunctionalLaplace:
         if tune_noise:
             residual = self._y.reshape(self._f.shape).to(dtype) - self._f
             noise_start = float(residual.square().mean().sqrt())
-        result = maximise_evidence(
-            self.log_marginal_likelihood,
-            start,
-            self.sigma_noise,
-            options,
-            tune_noise=tune_noise,
-            prior_centre=prior_from_weights(self.theta_star),
-            noise_start=noise_start,
-            caller="FunctionalLaplace.optimize_prior",
+        return EvidenceProblem(
+            self.log_marginal_likelihood, start, prior_from_weights(self.theta_star), noise_start
         )
+
+    def _set_tuned(self, result: TuningResult, granularity: str) -> None:
         self.prior_precision = result.prior_precision
         if result.sigma_noise is not None:
             self.sigma_noise = result.sigma_noise
             self.likelihood = get_likelihood("regression", sigma_noise=result.sigma_noise)
-        self.tuning_result = result
         self._chol = None
-        return self
 
-    optimize_prior_precision = optimize_prior
+    optimize_prior_precision = EvidenceTuning.optimize_prior
 
     # ------------------------------------------------------------------ prediction
     @property
@@ -637,17 +574,17 @@ class FunctionalLaplace:
         dt = self.prior_precision.dtype
         names = tuple(self.subset.names)
         return {
-            **identity_schema(self.task, names),
-            "prior_precision": TensorSpec(None, dt, positive=True),
-            "sigma_noise": TensorSpec(None, dt, positive=True),
-            "theta_star": TensorSpec(("P",), dt),
-            "x": TensorSpec(("N", ...), None),
-            "y": TensorSpec(("N", ...), None),
-            "f": TensorSpec(("N", "C"), dt),
-            "m": TensorSpec(("N", "C"), dt),
-            "num_data": Integer(1, dim="N"),
-            "groups": Maybe(NameGroups(names, dim="G")),
-            "components": Maybe(TensorSpec(("G", "N", "C", "N", "C"), dt)),
+            **st.identity_schema(self.task, names),
+            "prior_precision": st.TensorSpec(None, dt, positive=True),
+            "sigma_noise": st.TensorSpec(None, dt, positive=True),
+            "theta_star": st.TensorSpec(("P",), dt),
+            "x": st.TensorSpec(("N", ...), None),
+            "y": st.TensorSpec(("N", ...), None),
+            "f": st.TensorSpec(("N", "C"), dt),
+            "m": st.TensorSpec(("N", "C"), dt),
+            "num_data": st.Integer(1, dim="N"),
+            "groups": st.Maybe(st.NameGroups(names, dim="G")),
+            "components": st.Maybe(st.TensorSpec(("G", "N", "C", "N", "C"), dt)),
         }
 
     @transactional
@@ -656,17 +593,9 @@ class FunctionalLaplace:
         whole state is validated first (:mod:`gaussify.state`), theta* and the other weights
         against the model (a mismatch raises; ``strict=False`` warns); a failed load
         changes nothing."""
-        valid = validate_posterior_state(
-            state,
-            self._state_schema(),
-            owner="FunctionalLaplace",
-            task=self.task,
-            model=self.model,
-            subset=self.subset,
-            strict=strict,
-        )
+        valid = st.validate_own_state(self, state, strict=strict)
         if ("groups" in valid) != ("components" in valid):
-            raise StateError(
+            raise st.StateError(
                 "FunctionalLaplace.load_state_dict: invalid state: 'groups' and 'components' "
                 "come together"
             )

@@ -33,13 +33,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from gaussify import state as st
 from gaussify.batches import Batches, as_batches
-from gaussify.curvature.jacobian import (
-    check_eval_mode,
-    chunk_slices,
-    jacobians,
-    model_outputs,
-)
+from gaussify.curvature.jacobian import check_eval_mode, chunk_slices, jacobians, model_outputs
 from gaussify.curvature.subset import ParameterSubset, check_prior, expand_prior, select_parameters
 from gaussify.function_space.pathwise import batched_jvp, batched_vjp
 from gaussify.likelihoods import Likelihood, check_sigma_noise, get_likelihood
@@ -53,15 +49,7 @@ from gaussify.predictive import (
     posterior_predictive,
     predictive_from_samples,
 )
-from gaussify.state import (
-    Integer,
-    TensorSpec,
-    copy_state,
-    identity,
-    identity_schema,
-    transactional,
-    validate_posterior_state,
-)
+from gaussify.state import copy_state, identity, transactional
 from gaussify.validation import check_count, check_data, check_inputs
 
 __all__ = [
@@ -633,17 +621,17 @@ class SampledLLA(DeclaredCapabilities):
         changes nothing."""
         dt = self.prior_precision.dtype
         schema = {
-            **identity_schema(self.task, self.subset.names),
-            "samples": TensorSpec(("S", "P"), dt),
-            "theta_star": TensorSpec(("P",), dt),
-            "delta0": TensorSpec(("S", "P"), dt),
-            "linear_term": TensorSpec(("S", "P"), dt),
-            "prior_precision": TensorSpec(None, dt, positive=True),
-            "sigma_noise": TensorSpec(None, dt, positive=True),
-            "num_data": Integer(1),
-            "seed": Integer(0),
+            **st.identity_schema(self.task, self.subset.names),
+            "samples": st.TensorSpec(("S", "P"), dt),
+            "theta_star": st.TensorSpec(("P",), dt),
+            "delta0": st.TensorSpec(("S", "P"), dt),
+            "linear_term": st.TensorSpec(("S", "P"), dt),
+            "prior_precision": st.TensorSpec(None, dt, positive=True),
+            "sigma_noise": st.TensorSpec(None, dt, positive=True),
+            "num_data": st.Integer(1),
+            "seed": st.Integer(0),
         }
-        valid = validate_posterior_state(
+        valid = st.validate_posterior_state(
             state,
             schema,
             owner="SampledLLA",

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gaussify.approx_likelihoods.pseudo_targets import check_labels
 from gaussify.batches import Batches
-from gaussify.last_layer.columns import sample_columns
+from gaussify.last_layer.columns import ColumnSampler
 from gaussify.last_layer.exact import augment, check_features
 from gaussify.posterior import DeclaredCapabilities
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
@@ -56,7 +56,7 @@ def adf_moments(a: Tensor, s: Tensor, y: int, eps: Tensor) -> tuple[Tensor, Tens
     return log_z.detach(), grad_a, grad_s
 
 
-class ADFLastLayer(DeclaredCapabilities):
+class ADFLastLayer(ColumnSampler, DeclaredCapabilities):
     """ADF for the softmax last layer with a full Gaussian per output (Sec. 4.3 baseline).
 
     ``prior_precision`` delta of ``N(0, I/delta)`` per column; ``num_samples`` Monte Carlo
@@ -178,13 +178,6 @@ class ADFLastLayer(DeclaredCapabilities):
                 "num_damped": self.num_damped,
             }
         )
-
-    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Draws of the weights W ~ q(W) (columns independent Gaussians), (S, D' K) in the
-        row-major order of :attr:`mean` (D', K)
-        (:func:`gaussify.last_layer.columns.sample_columns`)."""
-        num_samples = check_count(num_samples, "num_samples")
-        return sample_columns(self.mean, self.covariance, num_samples, generator)
 
     @transactional
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:

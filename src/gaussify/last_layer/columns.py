@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["sample_columns"]
+from gaussify.validation import check_count
+
+__all__ = ["ColumnSampler", "sample_columns"]
 
 
 def sample_columns(
@@ -31,3 +33,17 @@ def sample_columns(
     eps = torch.randn(num_samples, k, d, generator=generator, dtype=mean.dtype).to(mean.device)
     columns = mean.T + torch.einsum("kde,ske->skd", chol, eps)  # (S, K, D')
     return columns.transpose(1, 2).reshape(num_samples, d * k)
+
+
+class ColumnSampler:
+    """The ``sample`` method of a last layer with ``mean (D', K)`` and per-column
+    ``covariance (K, D', D')`` (the exact and the ADF last layers)."""
+
+    mean: Tensor
+    covariance: Tensor
+
+    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draws of the weights W ~ q(W) (columns independent Gaussians), (S, D' K) in the
+        row-major order of :attr:`mean` (D', K) (:func:`sample_columns`)."""
+        num_samples = check_count(num_samples, "num_samples")
+        return sample_columns(self.mean, self.covariance, num_samples, generator)

@@ -42,7 +42,7 @@ from gaussify.approx_likelihoods import (
 )
 from gaussify.approx_likelihoods.pseudo_targets import METHODS, Basis, Method, check_labels
 from gaussify.batches import Batches
-from gaussify.last_layer.columns import sample_columns
+from gaussify.last_layer.columns import ColumnSampler
 from gaussify.memory_guard import check_allocation
 from gaussify.predictive import LinkName, Predictive, predictive_from_gaussian
 from gaussify.state import (
@@ -57,7 +57,7 @@ from gaussify.state import (
     validate_state,
 )
 from gaussify.tuning import TuningResult, check_grid, grid_search
-from gaussify.validation import check_count, check_finite, validated_batches
+from gaussify.validation import check_finite, validated_batches
 
 __all__ = ["ExactLastLayer", "augment", "check_features"]
 
@@ -87,7 +87,7 @@ def augment(phi: Tensor, bias: bool, dtype: torch.dtype) -> Tensor:
     return x
 
 
-class ExactLastLayer:
+class ExactLastLayer(ColumnSampler):
     """Exact Bayesian last layer with a Gaussian pseudo-likelihood per class (eq. 4).
 
     ``in_features`` D and ``num_classes`` C; ``method`` / ``basis`` / ``alpha_eps`` /
@@ -261,13 +261,6 @@ class ExactLastLayer:
     def precision(self) -> Tensor:
         """Posterior precision of each column, ``(K, D', D')``."""
         return self._precision if not self.streaming else torch.linalg.inv(self._cov)
-
-    def sample(self, num_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Draws of the weights W ~ q(W) (columns independent Gaussians), (S, D' K) in the
-        row-major order of :attr:`mean` (D', K)
-        (:func:`gaussify.last_layer.columns.sample_columns`)."""
-        num_samples = check_count(num_samples, "num_samples")
-        return sample_columns(self.mean, self.covariance, num_samples, generator)
 
     @transactional
     def optimize_prior(

@@ -11,7 +11,7 @@ holds state; the math lives in curvature/, predictive.py and evidence.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -19,13 +19,8 @@ from torch import Tensor, nn
 
 from gaussify import distributed
 from gaussify.batches import Batches
-from gaussify.curvature.jacobian import (
-    SubsetLike,
-    resolve_subset,
-)
-from gaussify.curvature.lastlayer import (
-    find_output_linear,
-)
+from gaussify.curvature.jacobian import SubsetLike, resolve_subset
+from gaussify.curvature.lastlayer import find_output_linear
 from gaussify.curvature.subset import (
     ParameterSubset,
     check_prior,
@@ -33,13 +28,8 @@ from gaussify.curvature.subset import (
     require_whole_tensors,
     select_parameters,
 )
-from gaussify.likelihoods import (
-    Gaussian,
-    Likelihood,
-    all_finite,
-    check_sigma_noise,
-    get_likelihood,
-)
+from gaussify.evidence import finite_evidence
+from gaussify.likelihoods import Gaussian, Likelihood, all_finite, check_sigma_noise, get_likelihood
 from gaussify.model_checks import in_eval_mode, warn_if_squashed_output
 from gaussify.predictive import (
     LinkName,
@@ -48,20 +38,13 @@ from gaussify.predictive import (
     posterior_predictive,
     predictive_from_samples,
 )
-from gaussify.prior_tuning import (
-    hyperparameters_or_current,
-    maximise_evidence,
-    noise_to_tune,
-    tuning_options,
-)
+from gaussify.prior_tuning import EvidenceProblem, EvidenceTuning, hyperparameters_or_current
 from gaussify.spectral import Spectrum
 from gaussify.state import transactional
 from gaussify.tuning import (
-    Optimizer,
+    ClosedFormEvidence,
     TuningResult,
-    check_choice,
     decomposition_stage,
-    grid_search,
     prior_from_weights,
     residual_rms,
 )
@@ -90,7 +73,7 @@ Structure = Literal["full", "diag", "kron", "lowrank"]
 STRUCTURES = ("full", "diag", "kron", "lowrank")
 
 
-class Laplace(DenseViews):
+class Laplace(EvidenceTuning, DenseViews):
     """Laplace-GGN posterior over the weights of ``model`` (or a subset of them).
 
     ``likelihood``: "classification", "regression", "binary" or a likelihood object.
@@ -123,6 +106,8 @@ class Laplace(DenseViews):
     (J_n = I_C ⊗ [phi_n, 1]^T, :mod:`gaussify.curvature.lastlayer`), so no (N, C, P) Jacobian
     or per-parameter intermediate is formed and thousands of classes fit.
     """
+
+    prior_granularities = ("diag", "layer", "scalar")
 
     #: Use the last-layer feature path when it applies (a switch for tests and comparisons).
     _feature_path: bool = True
@@ -431,55 +416,21 @@ class Laplace(DenseViews):
             self, prior_precision, sigma_noise, dtype, self.mean.device
         )
         result = fitted_log_evidence(self, prior, sigma)
-        value = result.value
-        if not torch.isfinite(value):
-            raise FloatingPointError(
-                f"log marginal likelihood is {value.item()}: check prior_precision/sigma_noise"
-            )
-        return value.to(dtype)
+        return finite_evidence(result.value).to(dtype)
 
-    @transactional
-    def optimize_prior(
-        self,
-        data: Batches | None = None,
-        *,
-        method: Literal["gradient", "grid"] = "gradient",
-        granularity: Granularity = "scalar",
-        tune_noise: bool | None = None,
-        n_steps: int = 100,
-        lr: float = 0.1,
-        grid: Tensor | Sequence[float] | None = None,
-        optimizer: Optimizer = "lbfgs",
-        fixed_steps: bool = False,
-        progress: bool = False,
-    ) -> Laplace:
-        """Type-II maximum likelihood of the prior precision (and, for regression, the noise)
-        by :func:`gaussify.tuning.tune_hyperparameters` (scale-aware start, at most ``n_steps``
-        iterations of ``optimizer``, "lbfgs" or "adam" with step ``lr``, a convergence test and
-        a :class:`gaussify.warnings.ConvergenceWarning` when unconverged); ``granularity``
-        "scalar", "layer" or "diag". ``method="grid"``: the best scalar prior on ``grid`` (1-D,
-        default 10^-4 .. 10^4, 41 points). ``fixed_steps``: exactly ``n_steps`` Adam steps from
-        the current value (laplace-torch's tuning). The outcome is kept in :attr:`tuning_result`;
-        ``data`` is fitted first if needed. Where the structure's eigenbasis diagonalises the
-        prior (:meth:`spectrum`) the evidence is a closed form (:mod:`gaussify.spectral`, O(P)
-        per call); elsewhere each call differentiates the dense evidence with autograd.
-        ``progress=True`` shows the stages on ``tqdm`` bars: the factorisation of the
-        curvature (e.g. a full GGN's ``eigvalsh``, or ``eigh`` when the non-MAP correction
-        needs eigenvectors) and the evidence evaluations."""
-        options = tuning_options(method, n_steps, lr, grid, optimizer, fixed_steps)
-        sizes = {"scalar": 1, "layer": len(self.subset.names), "diag": self.subset.num_params}
-        check_choice(granularity, "granularity", sorted(sizes))
-        if data is not None and self._curvature is None:
-            self.fit(data)
-        self._require_fit()
-        tune_noise = noise_to_tune(tune_noise, self.task, self.sigma_noise)
-        dtype = self.mean.dtype
-        if method == "grid":
-            with decomposition_stage(self._curvature, self.correction, progress):
-                closed = self.spectrum("scalar", tune_noise=False)
-            result = grid_search(closed or self.log_marginal_likelihood, options.grid, dtype)
-            self.prior_precision, self.tuning_result = result.prior_precision, result
-            return self
+    def _is_fitted(self) -> bool:
+        return self._curvature is not None
+
+    def _grid_evidence(
+        self, progress: bool
+    ) -> tuple[ClosedFormEvidence | Callable[[Tensor], Tensor], torch.dtype]:
+        with decomposition_stage(self._curvature, self.correction, progress):
+            closed = self.spectrum("scalar", tune_noise=False)
+        return closed or self.log_marginal_likelihood, self.mean.dtype
+
+    def _evidence_problem(
+        self, granularity: str, tune_noise: bool, progress: bool
+    ) -> EvidenceProblem:
         init = expand_prior(self.prior_precision, self.subset)
         if granularity == "scalar":
             start = init.mean().reshape(1)
@@ -494,25 +445,20 @@ class Laplace(DenseViews):
             prior = prior.squeeze(0) if granularity == "scalar" else prior
             return self.log_marginal_likelihood(prior, sigma)
 
-        result = maximise_evidence(
+        return EvidenceProblem(
             evidence if spec is None else spec,  # closed form: O(P) per call
-            start.detach().to(dtype),
-            self.sigma_noise,
-            options,
-            tune_noise=tune_noise,
-            prior_centre=prior_from_weights(self.mean - self.prior_mean),
-            noise_start=None if self._sse is None else residual_rms(self._sse, self.num_data),
-            caller="Laplace.optimize_prior",
-            progress=progress,
+            start.detach().to(self.mean.dtype),
+            prior_from_weights(self.mean - self.prior_mean),
+            None if self._sse is None else residual_rms(self._sse, self.num_data),
         )
+
+    def _set_tuned(self, result: TuningResult, granularity: str) -> None:
         prior = result.prior_precision
         self.prior_precision = prior.squeeze(0) if granularity == "scalar" else prior
         if result.sigma_noise is not None:
             self.sigma_noise = result.sigma_noise.reshape(())
-        self.tuning_result = result
-        return self
 
-    optimize_prior_precision = optimize_prior
+    optimize_prior_precision = EvidenceTuning.optimize_prior
 
     #: Tune the prior in closed form from the curvature's eigenvalues where the structure
     #: allows it (a switch for tests and comparisons with the autograd path).

@@ -12,24 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gaussify import state as st
 from gaussify.curvature import make_curvature
 from gaussify.likelihoods import get_likelihood
-from gaussify.state import (
-    Choice,
-    Integer,
-    Maybe,
-    Names,
-    Nested,
-    Number,
-    StateError,
-    TensorSpec,
-    check_fingerprint,
-    check_weights,
-    copy_state,
-    model_fingerprint,
-    require_task,
-    validate_state,
-)
+from gaussify.state import copy_state
 from gaussify.weight_space.laplace_fields import LaplaceFields
 
 __all__ = ["laplace_state_dict", "load_laplace_state"]
@@ -52,7 +38,7 @@ def laplace_state_dict(la: LaplaceFields) -> dict[str, Any]:
         "log_lik": la._log_lik,
         "grad": la._grad,
         "curvature": la._curvature.state_dict(),
-        "model_fingerprint": model_fingerprint(la.model),
+        "model_fingerprint": st.model_fingerprint(la.model),
     }
     if la._sse is not None:
         state["sse"] = la._sse
@@ -64,26 +50,26 @@ def laplace_state_dict(la: LaplaceFields) -> dict[str, Any]:
 def _schema(la: LaplaceFields, curvature: Any) -> dict[str, Any]:
     dt = la._dtype
     schema: dict[str, Any] = {
-        "task": Maybe(Choice((la.task,), "the task of this posterior")),
-        "structure": Choice((la.structure,), "the structure of this posterior"),
-        "subset": Names(tuple(la.subset.names)),
-        "mean": TensorSpec(("P",), dt),
-        "theta_star": TensorSpec(("P",), dt),
-        "prior_precision": TensorSpec(None, dt, positive=True),
-        "prior_mean": Maybe(TensorSpec(None, dt)),
-        "sigma_noise": TensorSpec(None, dt, positive=True),
-        "sigma_fit": TensorSpec(None, dt, positive=True),
-        "temperature": Number(),
-        "num_data": Integer(1),
-        "log_lik": TensorSpec((), dt),
-        "grad": TensorSpec(("P",), dt),
-        "curvature": Nested(curvature.state_schema()),
-        "model_fingerprint": Maybe(TensorSpec((None, 3), None)),
+        "task": st.Maybe(st.Choice((la.task,), "the task of this posterior")),
+        "structure": st.Choice((la.structure,), "the structure of this posterior"),
+        "subset": st.Names(tuple(la.subset.names)),
+        "mean": st.TensorSpec(("P",), dt),
+        "theta_star": st.TensorSpec(("P",), dt),
+        "prior_precision": st.TensorSpec(None, dt, positive=True),
+        "prior_mean": st.Maybe(st.TensorSpec(None, dt)),
+        "sigma_noise": st.TensorSpec(None, dt, positive=True),
+        "sigma_fit": st.TensorSpec(None, dt, positive=True),
+        "temperature": st.Number(),
+        "num_data": st.Integer(1),
+        "log_lik": st.TensorSpec((), dt),
+        "grad": st.TensorSpec(("P",), dt),
+        "curvature": st.Nested(curvature.state_schema()),
+        "model_fingerprint": st.Maybe(st.TensorSpec((None, 3), None)),
     }
     if la.task == "regression":  # the sum of squared residuals per output
-        schema["sse"] = TensorSpec((None,), dt, nonnegative=True)
+        schema["sse"] = st.TensorSpec((None,), dt, nonnegative=True)
     if la.subset.indices is not None:
-        schema["subset_indices"] = TensorSpec(("P",), "int")
+        schema["subset_indices"] = st.TensorSpec(("P",), "int")
     return schema
 
 
@@ -96,21 +82,21 @@ def load_laplace_state(la: LaplaceFields, state: dict[str, Any], *, strict: bool
     )
     schema = _schema(la, curvature)
     if isinstance(state, dict) and "subset_indices" in state and la.subset.indices is None:
-        raise StateError(
+        raise st.StateError(
             "Laplace.load_state_dict: 'subset_indices': the state was saved for a different "
             f"subnetwork ({len(state['subset_indices'])} individual weights); this posterior "
             "covers whole parameter tensors"
         )
-    valid = validate_state(state, schema, owner="Laplace", dims={"P": la.subset.num_params})
+    valid = st.validate_state(state, schema, owner="Laplace", dims={"P": la.subset.num_params})
     if la.subset.indices is not None and not (valid["subset_indices"] == la.subset.indices).all():
-        raise StateError(
+        raise st.StateError(
             "Laplace.load_state_dict: 'subset_indices': the state was saved for a different "
             "subnetwork of individual weights"
         )
-    require_task(state, la.task, "Laplace")
+    st.require_task(state, la.task, "Laplace")
     current = la.subset.flatten(la.subset.params(la.model))
-    check_weights(valid["theta_star"], current, owner="Laplace", strict=strict)
-    check_fingerprint(valid.get("model_fingerprint"), la.model, owner="Laplace", strict=strict)
+    st.check_weights(valid["theta_star"], current, owner="Laplace", strict=strict)
+    st.check_fingerprint(valid.get("model_fingerprint"), la.model, owner="Laplace", strict=strict)
     curvature.load_state_dict(state["curvature"])
     # assignments (each setter validates granularity; la.load_state_dict is a transaction)
     la.prior_precision, la.sigma_noise = valid["prior_precision"], valid["sigma_noise"]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from gaussify.compat.laplace._shared import CompatHyperparameters, check_likelihood
 from gaussify.compat.laplace.enums import LinkApprox, PredType, option
 from gaussify.compat.laplace.links import apply_link, normal_draws
 from gaussify.compat.laplace.tuning import optimize_prior_precision as _optimize
@@ -35,7 +36,7 @@ from gaussify.function_space.gp import FunctionalLaplace as _Engine
 __all__ = ["FunctionalLLLaplace", "FunctionalLaplace"]
 
 
-class FunctionalLaplace:
+class FunctionalLaplace(CompatHyperparameters):
     """Function-space (GP) Laplace over all weights on a subset of ``n_subset`` data points."""
 
     _key = ("all", "gp")
@@ -60,11 +61,7 @@ class FunctionalLaplace:
         dict_key_y: str = "labels",
         feature_reduction: str | None = None,
     ) -> None:
-        likelihood = str(getattr(likelihood, "value", likelihood))
-        if likelihood not in ("classification", "regression"):
-            raise ValueError(
-                f"likelihood: expected 'classification' or 'regression', got {likelihood!r}"
-            )
+        likelihood = check_likelihood(likelihood)
         if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
             raise ValueError(f"n_subset: expected a positive integer, got {n_subset!r}")
         if float(torch.as_tensor(temperature)) != 1.0:
@@ -95,32 +92,21 @@ class FunctionalLaplace:
         self.sigma_noise = sigma_noise
 
     # ------------------------------------------------------------------ hyperparameters
-    @property
-    def prior_precision(self) -> Tensor:
-        return self._prior
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
+    def _checked_prior(self, value: float | Tensor) -> Tensor:
         prior = torch.as_tensor(value, dtype=self._dtype)
         if prior.numel() != 1 or prior.ndim > 1:
             raise ValueError(
                 "prior_precision: FunctionalLaplace supports only an isotropic (scalar) prior, "
                 f"got shape {tuple(prior.shape)}"
             )
-        self._prior = prior.reshape(1)
+        return prior.reshape(1)
 
-    @property
-    def sigma_noise(self) -> Tensor:
-        return self._sigma
-
-    @sigma_noise.setter
-    def sigma_noise(self, value: float | Tensor) -> None:
-        sigma = torch.as_tensor(value, dtype=self._dtype)
+    def _checked_sigma(self, sigma: Tensor) -> Tensor:
         if sigma.numel() != 1:
             raise ValueError(f"sigma_noise: expected a scalar, got shape {tuple(sigma.shape)}")
         if self.likelihood != "regression" and float(sigma) != 1.0:
             raise ValueError("sigma_noise: must be 1 for classification")
-        self._sigma = sigma.reshape(())
+        return sigma
 
     @property
     def _sod_factor(self) -> float:
@@ -168,12 +154,7 @@ class FunctionalLaplace:
     ) -> Tensor:
         """The exact GP evidence of the linearised model on the subset (module docstring);
         differentiable in both arguments, which become the current hyperparameters."""
-        if prior_precision is not None:
-            self.prior_precision = prior_precision
-        if sigma_noise is not None:
-            if self.likelihood != "regression":
-                raise ValueError("sigma_noise: can only be changed for regression")
-            self.sigma_noise = sigma_noise
+        self._set_hyperparameters(prior_precision, sigma_noise)
         engine = self._push()
         prior = self._prior.reshape(()) * self._sod_factor
         sigma = self._sigma if self.likelihood == "regression" else None
@@ -258,11 +239,7 @@ class FunctionalLaplace:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("cls_name") != type(self).__name__:
-            raise ValueError(
-                f"state_dict: saved from {state_dict.get('cls_name')!r}, this is "
-                f"{type(self).__name__!r}"
-            )
+        self._check_saved_class(state_dict)
         if state_dict["likelihood"] != self.likelihood:
             raise ValueError("state_dict: saved for a different likelihood")
         self._engine.load_state_dict(state_dict["engine"])

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gaussify.compat.laplace._shared import CompatHyperparameters, check_likelihood
 from gaussify.compat.laplace.enums import (
     FunctionalApproximation,
     HessianStructure,
@@ -76,7 +77,7 @@ class _KronPrecision:
         return self._posterior.precision_dense().diagonal()
 
 
-class ParametricLaplace:
+class ParametricLaplace(CompatHyperparameters):
     """Base of the weight-space classes; a subclass only names its ``_key``
     (subset_of_weights, hessian_structure). See the module docstring for the conventions."""
 
@@ -103,11 +104,7 @@ class ParametricLaplace:
         feature_reduction: str | None = None,
         rank: int | None = None,
     ) -> None:
-        likelihood = getattr(likelihood, "value", likelihood)
-        if likelihood not in ("classification", "regression"):
-            raise ValueError(
-                f"likelihood: expected 'classification' or 'regression', got {likelihood!r}"
-            )
+        likelihood = check_likelihood(likelihood)
         if damping:
             raise ValueError("damping: Kronecker damping is not supported; pass damping=False")
         self.likelihood = str(likelihood)
@@ -156,13 +153,8 @@ class ParametricLaplace:
         self.prior_mean = prior_mean
 
     # ------------------------------------------------------------------ hyperparameters
-    @property
-    def prior_precision(self) -> Tensor:
+    def _checked_prior(self, value: float | Tensor) -> Tensor:
         """(1,), (n_layers,) or (n_params,) tensor, as laplace-torch stores it."""
-        return self._prior
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
         if isinstance(value, str | bool) or value is None:
             raise ValueError(
                 f"prior_precision: expected a number or a tensor, got {type(value).__name__}"
@@ -181,7 +173,7 @@ class ParametricLaplace:
                 f"prior_precision: expected length in {sorted(set(allowed))} (scalar, per layer"
                 f"{'' if self._key[1] == 'kron' else ' or per parameter'}), got {len(prior)}"
             )
-        self._prior = prior
+        return prior
 
     @property
     def prior_precision_diag(self) -> Tensor:
@@ -194,19 +186,13 @@ class ParametricLaplace:
         counts = torch.tensor(list(self._engine.subset.counts))
         return prior.repeat_interleave(counts)
 
-    @property
-    def sigma_noise(self) -> Tensor:
-        return self._sigma
-
-    @sigma_noise.setter
-    def sigma_noise(self, value: float | Tensor) -> None:
-        sigma = torch.as_tensor(value, dtype=self._dtype)
+    def _checked_sigma(self, sigma: Tensor) -> Tensor:
         if sigma.ndim > 1 or sigma.numel() != 1:
             raise ValueError(
                 "sigma_noise: only a homoscedastic (scalar) noise is supported, got shape "
                 f"{tuple(sigma.shape)}"
             )
-        self._sigma = sigma.reshape(())
+        return sigma
 
     @property
     def prior_mean(self) -> Tensor:
@@ -285,12 +271,7 @@ class ParametricLaplace:
     ) -> Tensor:
         """Laplace evidence (module docstring); differentiable in both arguments, which are
         stored as the current hyperparameters (as laplace-torch does)."""
-        if prior_precision is not None:
-            self.prior_precision = prior_precision
-        if sigma_noise is not None:
-            if self.likelihood != "regression":
-                raise ValueError("sigma_noise: can only be changed for regression")
-            self.sigma_noise = sigma_noise
+        self._set_hyperparameters(prior_precision, sigma_noise)
         self._require_fit()
         regression = self.likelihood == "regression"
         value = self._engine.log_marginal_likelihood(
@@ -504,11 +485,9 @@ class ParametricLaplace:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("cls_name") != type(self).__name__:
-            raise ValueError(
-                f"state_dict: saved from {state_dict.get('cls_name')!r}, this is "
-                f"{type(self).__name__!r}; make sure subset_of_weights and hessian_structure match"
-            )
+        self._check_saved_class(
+            state_dict, "; make sure subset_of_weights and hessian_structure match"
+        )
         if len(state_dict["engine"]["mean"]) != self.n_params:
             raise ValueError(
                 f"state_dict: saved for {len(state_dict['engine']['mean'])} parameters, this "

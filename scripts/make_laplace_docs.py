@@ -4,10 +4,12 @@
    ``src/`` importable), which writes ``docs/figures/laplace_banana.png``; this checks that the
    example runs as-is and takes well under a minute.
 2. Rewrites the tables between ``<!-- uci-table:start/end -->``,
-   ``<!-- uci-vi-table:start/end -->`` and ``<!-- marglik-table:start/end -->`` from
+   ``<!-- uci-vi-table:start/end -->``, ``<!-- uci-table1:start/end -->`` and
+   ``<!-- marglik-table:start/end -->`` from
    ``benchmarks/results/experiments_*.json`` (``uci_classification_10splits`` and
    ``uci_classification`` for the first, the GLM-VI columns of ``uci_classification`` beside
-   its MAP and Laplace columns for the second, ``marglik_selection`` for the third; a missing
+   its MAP and Laplace columns for the second, every Table 1 column of ``uci_classification``
+   (BBB and GLM Laplace diag included) for the third, ``marglik_selection`` for the last; a missing
    file is skipped with a message).
 
 Usage: ``python scripts/make_laplace_docs.py [--no-example] [--no-tables] [--threads N]``.
@@ -36,6 +38,16 @@ UCI_JSONS = (
 MARGLIK_JSON = RESULTS / "experiments_marglik_selection.json"
 METHODS = ("map", "bnn_laplace", "glm_laplace", "glm_refine")
 VI_METHODS = ("map", "glm_laplace", "glm_refine", "glm_vi", "glm_vi_diag")
+#: Table 1's column order (the paper's "GLM Lapl" is our GLM refine)
+TABLE1_METHODS = (
+    "map",
+    "bbb",
+    "bnn_laplace",
+    "glm_refine",
+    "glm_laplace_diag",
+    "glm_vi",
+    "glm_vi_diag",
+)
 LABELS = {
     "map": "NN MAP",
     "bnn_laplace": "BNN Laplace",
@@ -43,6 +55,8 @@ LABELS = {
     "glm_refine": "GLM refine",
     "glm_vi": "GLM VI",
     "glm_vi_diag": "GLM VI diag",
+    "glm_laplace_diag": "GLM Lapl diag",
+    "bbb": "BBB",
 }
 
 
@@ -95,21 +109,24 @@ def uci_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def uci_vi_table(res: dict[str, Any]) -> str:
+def uci_vi_table(res: dict[str, Any], methods: tuple[str, ...] = VI_METHODS) -> str:
     """Markdown: the GLM-VI columns (full, diagonal) beside NN MAP, GLM Laplace and GLM
-    refine of the same run, test NLL mean ± s.e. over splits (paper in parentheses); a cell
-    over fewer splits than the run's says how many."""
+    refine of the same run (or the columns ``methods``), test NLL mean ± s.e. over splits
+    (paper in parentheses); a cell over fewer splits than the run's says how many."""
     rows = res["rows"]
     splits = len(res["config"]["splits"])
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     lines = [
-        "| data set | " + " | ".join(LABELS[m] for m in VI_METHODS) + " |",
-        "|---" * (len(VI_METHODS) + 1) + "|",
+        "| data set | " + " | ".join(LABELS[m] for m in methods) + " |",
+        "|---" * (len(methods) + 1) + "|",
     ]
     for name in datasets:
         cells = []
-        for method in VI_METHODS:
-            row = next(r for r in rows if r["dataset"] == name and r["method"] == method)
+        for method in methods:
+            row = next(
+                (r for r in rows if r["dataset"] == name and r["method"] == method),
+                {"missing": True, "paper_nll": None},
+            )
             ours = "missing" if row["missing"] else _fmt(row["test_nll_mean"], row["test_nll_se"])
             if not row["missing"] and row["num_splits"] < splits:
                 ours += f" [{row['num_splits']} split{'s' if row['num_splits'] > 1 else ''}]"
@@ -127,11 +144,16 @@ def uci_vi_table(res: dict[str, Any]) -> str:
             f"S = {merged['vi_samples']} antithetic samples from the GLM Laplace posterior; "
             f"{splits} splits (seeds {res['config']['splits']}), delta selected on validation "
             f"NLL per split and method. `config.merged.runs` lists the {len(runs)} runs that "
-            f"added GLM VI ({minutes:.0f} min of single-threaded compute in all, superseded "
-            f"ones included); each retrains the same MAP networks (largest test-NLL "
-            f"difference to the MAP records of the base run: {diff:.1g}).",
+            f"added columns ({minutes:.0f} min of compute in all, superseded ones included); "
+            f"each retrains the same MAP networks (largest test-NLL difference to the MAP "
+            f"records of the base run: {diff:.1g}).",
         ]
     return "\n".join(lines)
+
+
+def uci_table1(res: dict[str, Any]) -> str:
+    """Markdown: every column of the paper's Table 1 that the run holds, in its order."""
+    return uci_vi_table(res, TABLE1_METHODS).split("\n\n")[0]
 
 
 def marglik_table(res: dict[str, Any]) -> str:
@@ -181,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             vi = uci_vi_table(json.loads(laptop.read_text()))
             page = replace_block(page, "uci-vi-table", vi, PAGE)
             print("table uci-vi-table updated")
+            table1 = uci_table1(json.loads(laptop.read_text()))
+            page = replace_block(page, "uci-table1", table1, PAGE)
+            print("table uci-table1 updated")
         if MARGLIK_JSON.exists():
             page = replace_block(
                 page, "marglik-table", marglik_table(json.loads(MARGLIK_JSON.read_text())), PAGE

@@ -17,6 +17,14 @@ evaluate four predictives:
   (:class:`~gaussify.weight_space.glm_vi.GLMVI`, full or diagonal covariance), started at the
   GLM Laplace posterior (``init_laplace``) and run for ``vi_steps`` full-batch steps of size
   ``vi_lr`` with ``vi_samples`` antithetic samples; GLM predictive as above ("GLM VI").
+  The steps reuse the Jacobians at theta* (:class:`~gaussify.weight_space.glm_vi_cached.
+  CachedGLMVI`, the same steps as ``GLMVI``);
+* ``glm_laplace_diag``: the diagonal-GGN Laplace posterior at theta*, GLM mode refined as
+  ``glm_refine``, GLM predictive ("GLM Lapl diag");
+* ``bbb``: Bayes by backprop (:class:`~gaussify.weight_space.bbb.MeanFieldGrid`): mean-field
+  Gaussian VI over all weights with prior N(0, 1/delta), trained on the reparameterised ELBO
+  with the local reparameterisation trick, all deltas of a split at once; predictive of
+  ``num_samples`` draws ("BBB"). It needs no MAP.
 
 delta is selected per split and per method on the validation NLL; the test NLL (mean and
 standard error over splits) is reported beside the paper's Table 1.
@@ -26,7 +34,8 @@ gamma = 0.2 from the Laplace posterior (paper: 250 steps at 1e-3 full / 1e-2 dia
 unstated start);  the MAP is trained for ``epochs`` full-batch Adam
 steps with learning rate ``lr`` (default 3000 at 1e-2, cosine-decayed) instead of 10000 at 1e-3;
 on these data sets that reaches the same training loss (see ``map_grad_norm`` in the records
-and the module's documentation in docs/laplace.md).
+and the module's documentation in docs/laplace.md). BBB takes ``bbb_epochs`` (1000) full-batch
+Adam steps at ``bbb_lr`` (1e-2, cosine-decayed) instead of 5000 at 1e-3.
 """
 
 from __future__ import annotations
@@ -71,9 +80,14 @@ from gaussify.experiments._runner import (
     seed_list,
     torch_threads,
 )
+from gaussify.experiments.uci_methods import (
+    bbb_probs,
+    diag_laplace_probs,
+    glm_vi_probs,
+    laplace_probs,
+    mlp,
+)
 from gaussify.training import train_map
-from gaussify.weight_space import Laplace
-from gaussify.weight_space.glm_vi import GLMVI
 
 _T = TypeVar("_T")
 
@@ -111,6 +125,8 @@ METHODS: tuple[str, ...] = (
     "glm_refine",
     "glm_vi",
     "glm_vi_diag",
+    "glm_laplace_diag",
+    "bbb",
 )
 METHOD_LABELS: dict[str, str] = {
     "map": "NN MAP",
@@ -119,9 +135,13 @@ METHOD_LABELS: dict[str, str] = {
     "glm_refine": "GLM refine",
     "glm_vi": "GLM VI",
     "glm_vi_diag": "GLM VI diag",
+    "glm_laplace_diag": "GLM Lapl diag",
+    "bbb": "BBB",
 }
 #: the methods that need the Laplace posterior at theta*
 LAPLACE_METHODS: frozenset[str] = frozenset({"bnn_laplace", "glm_laplace", "glm_refine"})
+#: methods that do not use the MAP network (a run of only these trains no MAP)
+MAP_FREE: frozenset[str] = frozenset({"bbb"})
 #: GLM-VI methods and their covariance structure
 VI_METHODS: dict[str, str] = {"glm_vi": "full", "glm_vi_diag": "diag"}
 
@@ -152,11 +172,6 @@ def prior_grid(name: str, size: int = 10) -> list[float]:
     return [float(v) for v in np.logspace(low, 2.0, size)]
 
 
-def mlp(d_in: int, num_classes: int, width: int = 50) -> nn.Module:
-    """The Table 1 network: one hidden layer of ``width`` tanh units, ``num_classes`` logits."""
-    return nn.Sequential(nn.Linear(d_in, width), nn.Tanh(), nn.Linear(width, num_classes))
-
-
 @dataclass
 class Config:
     """Everything that determines the numbers (stored with the results)."""
@@ -175,6 +190,9 @@ class Config:
     vi_lr: float = 0.2
     vi_samples: int = 2
     map_cache: str | None = None
+    bbb_epochs: int = 1000
+    bbb_lr: float = 1e-2
+    bbb_init_std: float = 1e-3
 
 
 @dataclass
@@ -285,45 +303,91 @@ def _run_split(
     records: list[dict[str, Any]] = []
     kept: dict[tuple[str, int, float, str], Tensor] = {}
     refined = False
+    bbb_all = None
+    if "bbb" in cfg.methods:
+        bbb_all = bbb_probs(deltas, (x_tr, y_tr), x_eval, num_classes, cfg, split)
+    needs_map = any(m not in MAP_FREE for m in cfg.methods)
     for k, delta in enumerate(deltas):
+        probs: dict[str, Any] = {}
+        train_loss = grad_norm = None
+        gen = 1000 * split + k
+        if bbb_all is not None:
+            probs["bbb"] = bbb_all[k]
+        if not needs_map:
+            _append_records(records, kept, name, split, delta, probs, ds, n_val, keep_predictions)
+            continue
         # The same initialisation for every delta of a split (common random numbers).
         _seed_everything(split)
         model = mlp(x_tr.shape[1], num_classes, cfg.width)
         train_loss = _train_or_load(model, name, split, delta, cfg, (x_tr, y_tr))
         grad_norm = _objective_grad_norm(model, x_tr, y_tr, delta)
-        probs: dict[str, Any] = {}
         with torch.no_grad():
             probs["map"] = torch.softmax(model(x_eval), dim=-1)
-        gen = 1000 * split + k
         for method, structure in VI_METHODS.items():
             if method in cfg.methods:
-                probs[method] = _glm_vi_probs(
+                probs[method] = glm_vi_probs(
                     model, structure, delta, (x_tr, y_tr), x_eval, cfg, gen
                 )
         if LAPLACE_METHODS & set(cfg.methods):
-            _laplace_probs(model, delta, (x_tr, y_tr), x_eval, cfg, gen, probs)
+            laplace_probs(model, delta, (x_tr, y_tr), x_eval, cfg, gen, probs)
             refined |= "glm_refine" in probs
+        if "glm_laplace_diag" in cfg.methods:
+            probs["glm_laplace_diag"] = diag_laplace_probs(
+                model, delta, (x_tr, y_tr), x_eval, cfg, gen
+            )
         refine_shift = probs.pop("refine_shift", None)
         probs = {m: p for m, p in probs.items() if m in cfg.methods}
-        for method, p in probs.items():
-            val = _metrics(p[:n_val], ds.y_val)
-            test = _metrics(p[n_val:], ds.y_test)
-            records.append(
-                {
-                    "dataset": name,
-                    "split": split,
-                    "delta": delta,
-                    "method": method,
-                    **{f"val_{key}": v for key, v in val.items()},
-                    **{f"test_{key}": v for key, v in test.items()},
-                    "map_train_loss": train_loss,
-                    "map_grad_norm": grad_norm,
-                    "refine_shift": refine_shift if method == "glm_refine" else None,
-                }
-            )
-            if keep_predictions:
-                kept[(name, split, delta, method)] = p[n_val:].clone()
+        _append_records(
+            records,
+            kept,
+            name,
+            split,
+            delta,
+            probs,
+            ds,
+            n_val,
+            keep_predictions,
+            map_train_loss=train_loss,
+            map_grad_norm=grad_norm,
+            refine_shift=refine_shift,
+        )
     return records, kept, refined
+
+
+def _append_records(
+    records: list[dict[str, Any]],
+    kept: dict[tuple[str, int, float, str], Tensor],
+    name: str,
+    split: int,
+    delta: float,
+    probs: dict[str, Tensor],
+    ds: Any,
+    n_val: int,
+    keep_predictions: bool,
+    *,
+    map_train_loss: float | None = None,
+    map_grad_norm: float | None = None,
+    refine_shift: float | None = None,
+) -> None:
+    """One record per method of ``probs`` (validation rows first, then test rows)."""
+    for method, p in probs.items():
+        val = _metrics(p[:n_val], ds.y_val)
+        test = _metrics(p[n_val:], ds.y_test)
+        records.append(
+            {
+                "dataset": name,
+                "split": split,
+                "delta": delta,
+                "method": method,
+                **{f"val_{key}": v for key, v in val.items()},
+                **{f"test_{key}": v for key, v in test.items()},
+                "map_train_loss": None if method in MAP_FREE else map_train_loss,
+                "map_grad_norm": None if method in MAP_FREE else map_grad_norm,
+                "refine_shift": refine_shift if method == "glm_refine" else None,
+            }
+        )
+        if keep_predictions:
+            kept[(name, split, delta, method)] = p[n_val:].clone()
 
 
 def _train_or_load(
@@ -353,77 +417,6 @@ def _train_or_load(
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"state": model.state_dict(), "train_loss": history.loss[-1]}, path)
     return float(history.loss[-1])
-
-
-def _glm_vi_probs(
-    model: nn.Module,
-    structure: str,
-    delta: float,
-    data: tuple[Tensor, Tensor],
-    x_eval: Tensor,
-    cfg: Config,
-    gen: int,
-) -> Tensor:
-    """GLM VI at theta*: q_0 = GLM Laplace, ``vi_steps`` full-batch NGVI steps (thesis eq.
-    4.2-4.3 in the GLM), then the GLM predictive with the Monte Carlo link."""
-    vi = GLMVI(
-        model,
-        "classification",
-        structure,  # type: ignore[arg-type]
-        prior_precision=delta,
-        lr=cfg.vi_lr,
-        num_samples=cfg.vi_samples,
-        antithetic=cfg.vi_samples % 2 == 0,
-        seed=gen,
-    )
-    vi.init_laplace(data)
-    for _ in range(cfg.vi_steps):
-        vi.step(data)
-    pred = vi.predict(
-        x_eval,
-        link=cfg.glm_link,  # type: ignore[arg-type]
-        num_samples=cfg.num_samples,
-        generator=torch.Generator().manual_seed(gen),
-    )
-    return _probs(pred.probs)
-
-
-def _laplace_probs(
-    model: nn.Module,
-    delta: float,
-    data: tuple[Tensor, Tensor],
-    x_eval: Tensor,
-    cfg: Config,
-    gen: int,
-    probs: dict[str, Any],
-) -> None:
-    """BNN Laplace, GLM Laplace and GLM refine predictives of the full-GGN Laplace posterior
-    at theta* (written into ``probs``; ``probs["refine_shift"]`` is ||mu - theta*||)."""
-    x_tr, y_tr = data
-    # One prior per fit: a Cholesky factor is cheaper than the eigendecomposition cache,
-    # and float32 eigh can fail to converge on the near-singular GGN of a collapsed net.
-    la = Laplace(model, "classification", structure="full", prior_precision=delta, eig_cache=False)
-    la.fit((x_tr, y_tr))
-
-    def predict(method: str) -> Tensor:
-        link = {} if method == "nn" else {"link": cfg.glm_link}
-        gen_ = torch.Generator().manual_seed(gen)
-        pred = la.predict(
-            x_eval, method=method, num_samples=cfg.num_samples, generator=gen_, **link
-        )  # type: ignore[call-overload]
-        return _probs(pred.probs)
-
-    probs["bnn_laplace"] = predict("nn")
-    probs["glm_laplace"] = predict("glm")
-    if hasattr(la, "refine") and "glm_refine" in cfg.methods:
-        la.refine((x_tr, y_tr), **cfg.refine_kwargs)
-        probs["refine_shift"] = float((la.mean - la.theta_star).norm())
-        probs["glm_refine"] = predict("glm")
-
-
-def _probs(p: Tensor | None) -> Tensor:
-    assert p is not None
-    return p.detach()
 
 
 def _progress(items: Iterable[_T], bar: Any) -> Iterator[_T]:
@@ -508,6 +501,8 @@ def run(
     vi_lr: float = 0.2,
     vi_samples: int = 2,
     map_cache: str | Path | None = None,
+    bbb_epochs: int | None = None,
+    bbb_lr: float = 1e-2,
 ) -> UCIResults:
     """Run the Table 1 protocol of Immer, Korzepa & Bauer (2021) and return the results.
 
@@ -526,7 +521,8 @@ def run(
     ``vi_steps``/``vi_lr``/``vi_samples``: GLM-VI steps (default 30, 5 with ``quick``),
     gamma and antithetic samples S; ``map_cache``: a directory where MAP weights are stored
     and reused (keyed by data set, split, delta, epochs, lr and width), so that further
-    methods cost no retraining.
+    methods cost no retraining. ``bbb_epochs``/``bbb_lr``: full-batch Adam steps (default
+    1000, 100 with ``quick``) and initial learning rate (cosine-decayed) of Bayes by backprop.
     Deterministic given these arguments.
     """
     start = time.perf_counter()
@@ -547,7 +543,7 @@ def run(
     bad = [m for m in chosen_methods if m not in METHODS]
     if bad:
         raise ValueError(f"methods: unknown {bad}; expected a subset of {METHODS}")
-    if "map" not in chosen_methods:
+    if "map" not in chosen_methods and not set(chosen_methods) <= MAP_FREE:
         chosen_methods.insert(0, "map")
     cfg = Config(
         datasets=chosen,
@@ -562,6 +558,8 @@ def run(
         vi_lr=vi_lr,
         vi_samples=vi_samples,
         map_cache=None if map_cache is None else str(map_cache),
+        bbb_epochs=bbb_epochs if bbb_epochs is not None else (100 if quick else 1000),
+        bbb_lr=bbb_lr,
     )
     # Largest data sets first so that parallel workers finish together.
     order = sorted(chosen, key=lambda d: -gdata.info(d).n)
@@ -606,6 +604,18 @@ def run(
             f"GLM VI: q_0 = GLM Laplace at theta*, {cfg.vi_steps} full-batch natural-gradient "
             f"steps, gamma {cfg.vi_lr:g}, S = {cfg.vi_samples} (antithetic) (paper: 250 steps, "
             "gamma 1e-3 full / 1e-2 diag)."
+        )
+    if "glm_laplace_diag" in cfg.methods:
+        notes.append(
+            "GLM Lapl diag: diagonal-GGN Laplace at theta*, GLM mode refined (Laplace.refine, "
+            "quasi-Newton with the diagonal precision), GLM predictive as GLM refine."
+        )
+    if "bbb" in cfg.methods:
+        notes.append(
+            f"BBB: mean-field Gaussian VI over all weights, prior N(0, 1/delta), means started "
+            f"at the MAP's initialisation, sd {cfg.bbb_init_std:g}; {cfg.bbb_epochs} full-batch "
+            f"Adam steps at lr {cfg.bbb_lr:g} (cosine decay), one local-reparameterisation "
+            f"draw per step; {cfg.num_samples}-sample predictive (paper: 5000 steps at 1e-3)."
         )
     if not refined_any and "glm_refine" in cfg.methods:
         notes.append(REFINE_MISSING_NOTE)
@@ -692,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vi-steps", type=positive_int, default=None, help="GLM-VI steps (30)")
     parser.add_argument("--map-cache", type=Path, default=None, help="reuse MAP weights here")
     parser.add_argument(
+        "--bbb-epochs", type=positive_int, default=None, help="Bayes-by-backprop steps (1000)"
+    )
+    parser.add_argument(
         "--merge", type=Path, default=None, help="add the computed methods to this results JSON"
     )
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
@@ -717,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         methods=args.methods,
         vi_steps=args.vi_steps,
         map_cache=args.map_cache,
+        bbb_epochs=args.bbb_epochs,
     )
     print_summary(res, "Test NLL, ours (paper Table 1) — mean ± s.e. over splits")
     if args.output is not None:

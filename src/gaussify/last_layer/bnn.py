@@ -123,14 +123,21 @@ def mean_field_kl(module: nn.Module) -> Tensor:
     return torch.stack([m.kl() for m in layers]).sum()
 
 
-def to_mean_field(model: nn.Module, prior_std: float = 1.0, init_std: float = 1e-3) -> nn.Module:
-    """A copy of ``model`` with every ``nn.Linear`` replaced by a :class:`MeanFieldLinear` whose
-    means start at the original weights."""
+def to_mean_field(
+    model: nn.Module,
+    prior_std: float = 1.0,
+    init_std: float = 1e-3,
+    *,
+    layer: type[MeanFieldLinear] | None = None,
+) -> nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` replaced by a :class:`MeanFieldLinear` (or
+    the subclass ``layer``) whose means start at the original weights."""
+    layer_cls = MeanFieldLinear if layer is None else layer
 
     def convert(module: nn.Module) -> None:
         for name, child in module.named_children():
             if isinstance(child, nn.Linear):
-                layer = MeanFieldLinear(
+                new = layer_cls(
                     child.in_features,
                     child.out_features,
                     child.bias is not None,
@@ -138,10 +145,10 @@ def to_mean_field(model: nn.Module, prior_std: float = 1.0, init_std: float = 1e
                     init_std,
                 ).to(child.weight)
                 with torch.no_grad():
-                    layer.weight_mean.copy_(child.weight)
-                    if child.bias is not None and layer.bias_mean is not None:
-                        layer.bias_mean.copy_(child.bias)
-                setattr(module, name, layer)
+                    new.weight_mean.copy_(child.weight)
+                    if child.bias is not None and new.bias_mean is not None:
+                        new.bias_mean.copy_(child.bias)
+                setattr(module, name, new)
             else:
                 convert(child)
 

@@ -305,3 +305,65 @@ def test_uci_australian_three_splits_glm_refine_beats_bnn() -> None:
     assert rows["glm_laplace"]["test_nll_mean"] < rows["bnn_laplace"]["test_nll_mean"]
     if not rows["glm_refine"]["missing"]:
         assert rows["glm_refine"]["test_nll_mean"] < rows["bnn_laplace"]["test_nll_mean"]
+
+
+def test_uci_bbb_alone_trains_no_map_and_merges(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of only ``bbb`` trains no MAP (it needs none): its records carry no MAP
+    diagnostics, the MAP column is missing, and merging it into a run with a MAP adds the
+    BBB column with the paper's value beside it (no MAP to compare: diff None)."""
+    opts = {"datasets": ["glass"], "splits": [0], "grid_size": 2, "epochs": 20}
+    opts |= {"num_samples": 20, "bbb_epochs": 5}
+    base = uci_classification.run(methods=["map"], **opts).to_dict()
+    monkeypatch.setattr(uci_classification, "train_map", lambda *a, **k: pytest.fail("trained"))
+    bbb = uci_classification.run(methods=["bbb"], **opts)
+    assert bbb.config["methods"] == ["bbb"]
+    assert {r["method"] for r in bbb.records} == {"bbb"} and len(bbb.records) == 2
+    assert all(r["map_train_loss"] is None for r in bbb.records)
+    rows = {r["method"]: r for r in bbb.rows}
+    assert rows["map"]["missing"] and not rows["bbb"]["missing"]
+    merged = uci_classification.merge(base, bbb)
+    assert merged["config"]["merged"]["map_test_nll_diff"] is None
+    rows = {r["method"]: r for r in merged["rows"]}
+    assert rows["bbb"]["paper_nll"] == [0.90, 0.06] and rows["bbb"]["num_splits"] == 1
+    assert rows["map"]["num_splits"] == 1
+
+
+def test_uci_glm_laplace_diag_is_the_refined_diagonal_laplace(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """The ``glm_laplace_diag`` column is the GLM predictive of Laplace(structure="diag") at
+    the run's MAP after Laplace.refine (same predictive draws): recomputed here from the
+    cached MAP weights, its test NLL matches the record to round-off."""
+    import torch
+
+    from gaussify import data as gdata
+    from gaussify import metrics
+    from gaussify.weight_space import Laplace
+
+    cache = tmp_path / "maps"  # type: ignore[operator]
+    opts = {"datasets": ["glass"], "splits": [0], "grid_size": 2, "epochs": 20}
+    res = uci_classification.run(
+        methods=["glm_laplace_diag"], num_samples=30, map_cache=cache, **opts
+    )
+    ds = gdata.load("glass", seed=0)
+    for k, delta in enumerate(uci_classification.prior_grid("glass", 2)):
+        model = uci_classification.mlp(ds.x_train.shape[1], int(ds.num_classes or 0))
+        key = f"glass_s0_d{delta:.8g}_e20_lr0.01_w50.pt"
+        model.load_state_dict(torch.load(cache / key, weights_only=True)["state"])
+        la = Laplace(model, "classification", structure="diag", prior_precision=delta)
+        la.fit((ds.x_train, ds.y_train))
+        la.refine((ds.x_train, ds.y_train), **uci_classification.DEFAULT_REFINE)
+        pred = la.predict(
+            torch.cat([ds.x_val, ds.x_test]),
+            method="glm",
+            link="mc",
+            num_samples=30,
+            generator=torch.Generator().manual_seed(k),
+        )
+        nll = metrics.nll(pred.probs[len(ds.y_val) :], ds.y_test)
+        rec = next(
+            r for r in res.records if r["delta"] == delta and r["method"] == "glm_laplace_diag"
+        )
+        assert rec["test_nll"] == pytest.approx(nll, rel=1e-6)

@@ -4,7 +4,7 @@ Protocol of App. B.3 of the paper: a network with one hidden layer of 50 tanh un
 split (70/15/15, stratified, ``gaussify.data.load(name, seed=split)``) and every prior
 precision delta on a grid of 10 log-spaced values (1e-2 .. 1e2; 1e-1 .. 1e2 for satellite and
 digits), train the MAP with Adam on the full batch, build a full-GGN Laplace posterior at it and
-evaluate four predictives:
+evaluate the predictives (``methods``):
 
 * ``map``: the network at theta* ("NN MAP");
 * ``bnn_laplace``: NN sampling predictive, eq. (3) ("BNN Laplace");
@@ -17,8 +17,8 @@ evaluate four predictives:
   (:class:`~gaussify.weight_space.glm_vi.GLMVI`, full or diagonal covariance), started at the
   GLM Laplace posterior (``init_laplace``) and run for ``vi_steps`` full-batch steps of size
   ``vi_lr`` with ``vi_samples`` antithetic samples; GLM predictive as above ("GLM VI").
-  The steps reuse the Jacobians at theta* (:class:`~gaussify.weight_space.glm_vi_cached.
-  CachedGLMVI`, the same steps as ``GLMVI``);
+  The full-covariance steps reuse the Jacobians at theta*
+  (:class:`~gaussify.weight_space.glm_vi_cached.CachedGLMVI`, the same steps as ``GLMVI``);
 * ``glm_laplace_diag``: the diagonal-GGN Laplace posterior at theta*, GLM mode refined as
   ``glm_refine``, GLM predictive ("GLM Lapl diag");
 * ``bbb``: Bayes by backprop (:class:`~gaussify.weight_space.bbb.MeanFieldGrid`): mean-field

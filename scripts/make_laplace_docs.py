@@ -145,8 +145,8 @@ def uci_vi_table(res: dict[str, Any], methods: tuple[str, ...] = VI_METHODS) -> 
             f"{splits} splits (seeds {res['config']['splits']}), delta selected on validation "
             f"NLL per split and method. `config.merged.runs` lists the {len(runs)} runs that "
             f"added columns ({minutes:.0f} min of compute in all, superseded ones included); "
-            f"each retrains the same MAP networks (largest test-NLL difference to the MAP "
-            f"records of the base run: {diff:.1g}).",
+            f"those that need a MAP retrain the same networks (largest test-NLL difference to "
+            f"the MAP records of the base run: {diff:.1g}; BBB needs none).",
         ]
     return "\n".join(lines)
 

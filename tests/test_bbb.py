@@ -1,4 +1,4 @@
-"""Bayes by backprop (weight_space.bbb): the ELBO's KL against the closed form, the
+"""Bayes by backprop (last_layer.bbb): the ELBO's KL against the closed form, the
 reparameterised expected log-likelihood's gradient against its closed form on a linear
 Gaussian model, and the joint training of a prior grid against separate training."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gaussify.weight_space.bbb import LocalReparamLinear, MeanFieldGrid
+from gaussify.last_layer.bbb import LocalReparamLinear, MeanFieldGrid
 
 DT = torch.float64
 

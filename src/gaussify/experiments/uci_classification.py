@@ -21,7 +21,7 @@ evaluate the predictives (``methods``):
   (:class:`~gaussify.weight_space.glm_vi_cached.CachedGLMVI`, the same steps as ``GLMVI``);
 * ``glm_laplace_diag``: the diagonal-GGN Laplace posterior at theta*, GLM mode refined as
   ``glm_refine``, GLM predictive ("GLM Lapl diag");
-* ``bbb``: Bayes by backprop (:class:`~gaussify.weight_space.bbb.MeanFieldGrid`): mean-field
+* ``bbb``: Bayes by backprop (:class:`~gaussify.last_layer.bbb.MeanFieldGrid`): mean-field
   Gaussian VI over all weights with prior N(0, 1/delta), trained on the reparameterised ELBO
   with the local reparameterisation trick, all deltas of a split at once; predictive of
   ``num_samples`` draws ("BBB"). It needs no MAP.

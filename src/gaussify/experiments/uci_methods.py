@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gaussify.last_layer.bbb import MeanFieldGrid
 from gaussify.weight_space import Laplace
-from gaussify.weight_space.bbb import MeanFieldGrid
 from gaussify.weight_space.glm_vi import GLMVI
 from gaussify.weight_space.glm_vi_cached import CachedGLMVI
 
@@ -131,7 +131,7 @@ def bbb_probs(
     cfg: Any,
     split: int,
 ) -> Tensor:
-    """Bayes by backprop (:class:`~gaussify.weight_space.bbb.MeanFieldGrid`) for every delta
+    """Bayes by backprop (:class:`~gaussify.last_layer.bbb.MeanFieldGrid`) for every delta
     of the grid at once, means started at the MAP's initialisation; ``bbb_epochs`` full-batch
     Adam steps at ``bbb_lr`` (cosine-decayed), one local-reparameterisation draw per step;
     predictive probabilities of ``num_samples`` draws, (len(deltas), N_eval, C)."""

@@ -50,4 +50,14 @@ def main(draws: int = 1000) -> dict[str, dict[str, object]]:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    from gaussify.cli_args import add_device_argument
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--draws", type=int, default=1000)
+    add_device_argument(parser)
+    args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: a host-side Monte Carlo of a metric")
+    main(args.draws)

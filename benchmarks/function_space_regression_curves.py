@@ -2,13 +2,12 @@
 write the experiment JSON (as ``--output`` does) and the CQM curve m(alpha) - alpha (VaLLA
 paper Fig. 2 right / App. F) of every method's test predictive from the same run.
 
-    python benchmarks/function_space_regression_curves.py 0 \
-        benchmarks/results/experiments_function_space_regression.json
+    python benchmarks/function_space_regression_curves.py --seed 0 \
+        --output benchmarks/results/experiments_function_space_regression.json
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -36,4 +35,15 @@ def main(seed: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    import argparse
+
+    from gaussify.cli_args import add_device_argument
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, required=True)
+    add_device_argument(parser)
+    args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment runs on the host")
+    main(args.seed, args.output)

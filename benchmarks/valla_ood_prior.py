@@ -1,18 +1,25 @@
 """Issue 19: VaLLA on fashion_mnist (the function_space_images setting, M = 200 inducing pairs) with
 the prior precision fixed (argv[1]) instead of learned, to isolate its effect on OOD-AUROC.
 
-    python benchmarks/valla_ood_prior.py 6.309573444801932 out.json
+    python benchmarks/valla_ood_prior.py --prior 6.309573444801932 --output out.json
 """
 
-import sys
+import argparse
 from pathlib import Path
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import function_space_images as img
 from gaussify.experiments._report import write_json
 
-prior = float(sys.argv[1])
-out = sys.argv[2]
+parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+parser.add_argument("--prior", type=float, required=True)
+parser.add_argument("--output", type=Path, required=True)
+add_device_argument(parser)
+args = parser.parse_args()
+if args.device.type != "cpu":
+    parser.error(f"--device {args.device}: the experiment runs on the host")
+prior, out = args.prior, args.output
 orig = img._fit
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -108,20 +107,32 @@ def run(datasets: list[str], variants: list[str], seed: int = 0) -> list[dict[st
     return out
 
 
-if __name__ == "__main__":
+def main() -> None:
+    import argparse
+
+    from gaussify.cli_args import add_device_argument
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--datasets", default="power,protein", help="comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="benchmarks/results/valla_regression_isolation.json")
+    add_device_argument(parser)
+    args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
     torch.set_num_threads(1)
-    datasets = sys.argv[1].split(",") if len(sys.argv) > 1 else ["power", "protein"]
-    variants = sys.argv[2].split(",") if len(sys.argv) > 2 else list(VARIANTS)
-    seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    default = "benchmarks/results/valla_regression_isolation.json"
-    path = sys.argv[4] if len(sys.argv) > 4 else default
     t0 = time.perf_counter()
-    recs = run(datasets, variants, seed)
+    recs = run(args.datasets.split(","), args.variants.split(","), args.seed)
     res = {
-        "what": __doc__.split("\n")[0],
+        "what": (__doc__ or "").split("\n")[0],
         "load_avg_start": os.getloadavg(),
         "runtime_s": time.perf_counter() - t0,
         "records": recs,
     }
-    with open(path, "w") as fh:
+    with open(args.output, "w") as fh:
         json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

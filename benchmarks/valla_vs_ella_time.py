@@ -21,6 +21,7 @@ import time
 import torch
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import function_space_images as fi
 from gaussify.experiments._runner import train_map_eval
 
@@ -30,7 +31,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--output", default="benchmarks/results/valla_vs_ella_time.json")
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
     torch.set_num_threads(1)
     load_start = os.getloadavg()
     ds = gs.data.load("mnist", seed=0, dtype=torch.float64, flatten=True, max_train=2000)

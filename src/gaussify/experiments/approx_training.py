@@ -472,19 +472,20 @@ def run(
 
 
 def plot(result: ApproxTrainingResults, path: str | Path) -> Path:
-    """Bars of test NLL and ECE per method (mean ± s.e.), one panel pair per data set/basis."""
+    """Bars of test accuracy, NLL and ECE per method (mean ± s.e.), one column per data set,
+    basis and training budget (epochs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
     for r in result.rows:
-        groups.setdefault((r["dataset"], r["basis"]), []).append(r)
+        groups.setdefault((r["dataset"], r["basis"], r.get("epochs")), []).append(r)
     fig, axes = plt.subplots(
         3, len(groups), figsize=(3.6 * len(groups), 7.5), squeeze=False, sharex="col"
     )
-    for col, ((ds_name, basis), rows) in enumerate(groups.items()):
+    for col, ((ds_name, basis, epochs), rows) in enumerate(groups.items()):
         labels = [
             r["method"] if r["alpha_eps"] is None else f"{r['method']} {r['alpha_eps']}"
             for r in rows
@@ -498,7 +499,8 @@ def plot(result: ApproxTrainingResults, path: str | Path) -> Path:
             ax.set_ylabel({"acc": "test accuracy", "nll": "test NLL", "ece": "ECE"}[key])
             if key == "acc":
                 ax.set_ylim(max(0.0, min(mean) - 0.05), 1.0)
-                ax.set_title(f"{ds_name} ({basis} basis)", fontsize=10)
+                budget = "" if epochs is None else f", {epochs} epochs"
+                ax.set_title(f"{ds_name} ({basis} basis{budget})", fontsize=10)
             ax.grid(axis="y", alpha=0.3)
         axes[2, col].set_xticks(list(pos), labels, rotation=60, ha="right", fontsize=8)
     return save_figure(fig, path)

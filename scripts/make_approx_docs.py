@@ -186,12 +186,14 @@ def _pm(mean: float, sem: float | None, digits: int = 3) -> str:
 
 
 def training_table(path: Path = RESULTS / "experiments_approx_training.json") -> str:
-    """MNIST (log basis): ACC and NLL per method at every training budget in the JSON
-    (mean ± s.e. over seeds), beside Table 1's VGG-11 values."""
+    """MNIST (log basis): ACC and NLL per method at every training budget in the JSON (training
+    images, epochs, seeds; mean ± s.e. over seeds), beside Table 1's VGG-11 values."""
     rows = json.loads(path.read_text())["rows"]
     mnist = [r for r in rows if (r["dataset"], r["basis"]) == ("mnist", "log")]
-    budgets = sorted({(r["epochs"], r["num_seeds"]) for r in mnist})
-    head = "| method (α_ε) | " + " | ".join(f"{e} epochs, {n} seeds: ACC | NLL" for e, n in budgets)
+    budgets = sorted({(r.get("num_train", 2000), r["epochs"], r["num_seeds"]) for r in mnist})
+    head = "| method (α_ε) | " + " | ".join(
+        f"{t} images × {e} epochs, {n} seeds: ACC | NLL" for t, e, n in budgets
+    )
     lines = [
         head + " | paper VGG-11: ACC [%] / NLL |",
         "|---|" + "---|---|" * len(budgets) + "---|",
@@ -199,10 +201,11 @@ def training_table(path: Path = RESULTS / "experiments_approx_training.json") ->
     for method in PAPER_T1:
         cells = []
         label = method
-        for epochs, seeds in budgets:
+        for budget in budgets:
             r = next(
                 r for r in mnist
-                if (r["method"], r["epochs"], r["num_seeds"]) == (method, epochs, seeds)
+                if r["method"] == method
+                and (r.get("num_train", 2000), r["epochs"], r["num_seeds"]) == budget
             )  # fmt: skip
             label = method if r["alpha_eps"] is None else f"{method} {r['alpha_eps']}"
             cells += [_pm(r["acc_mean"], r["acc_sem"]), _pm(r["nll_mean"], r["nll_sem"])]

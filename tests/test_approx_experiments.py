@@ -186,7 +186,7 @@ def test_training_metrics_equal_recomputed(train_res: at.ApproxTrainingResults) 
         assert rec["ece"] == pytest.approx(gs.metrics.ece(probs, y, 15), abs=1e-12)
         if rec["basis"] == "logit":
             assert probs.shape[1] == 2 and int(y.max()) <= 1
-    assert {rec["epochs"] for rec in train_res.records} == {2}
+    assert {(rec["epochs"], rec["num_train"]) for rec in train_res.records} == {(2, 300)}
     row = next(r for r in train_res.rows if (r["basis"], r["method"]) == ("log", "variational"))
     assert row["alpha_eps"] == 0.1 and math.isnan(row["acc_sem"]) and row["epochs"] == 2
     assert "| digits | log | variational 0.1 |" in train_res.table()
@@ -263,8 +263,8 @@ def test_docs_training_table_per_budget(tmp_path: Path) -> None:
     path.write_text(json.dumps({"rows": rows}))
     lines = _docs_script().training_table(path).splitlines()
     assert lines[0] == (
-        "| method (α_ε) | 10 epochs, 1 seeds: ACC | NLL | 40 epochs, 5 seeds: ACC | NLL "
-        "| paper VGG-11: ACC [%] / NLL |"
+        "| method (α_ε) | 2000 images × 10 epochs, 1 seeds: ACC | NLL "
+        "| 2000 images × 40 epochs, 5 seeds: ACC | NLL | paper VGG-11: ACC [%] / NLL |"
     )
     assert len(lines) == 2 + 6
     assert lines[7] == (

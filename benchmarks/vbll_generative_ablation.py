@@ -25,7 +25,8 @@ predictives of the same trained head (plug-in means: ``S_k = 0``; uniform class 
 best temperature of the predictive's log probabilities on the validation images and the test
 NLL at it (a diagnostic of over-/under-confidence, not a method); the training-set NLL; the
 class means' norm and the features' mean norm; the training time. Writes
-``benchmarks/results/vbll_generative_ablation.json`` (per run and mean ± s.e. per variant).
+``benchmarks/results/vbll_generative_ablation.json`` (per run and mean ± s.e. per variant);
+``--dataset fashion_mnist --output ...`` runs the same on Fashion-MNIST.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ FACTORS: dict[str, tuple[str, dict[str, Any]]] = {
 REFERENCES: dict[str, tuple[str, dict[str, Any]]] = {
     "ref_map": ("softmax DNN (the experiment's MAP head)", {"method": "map"}),
     "ref_dvbll": ("D-VBLL (dense, 1000 samples)", {"method": "dvbll"}),
+    "ref_map_lr_3e-3": (
+        "softmax DNN, learning rate 3e-3",
+        {"method": "map", "train": {"lr": 3e-3}},
+    ),
+    "ref_map_epochs_45": ("softmax DNN, 45 epochs", {"method": "map", "train": {"epochs": 45}}),
     "ref_vbll_pkg": ("vbll GenClassification, its own init", {"method": "vbll_pkg"}),
     "ref_vbll_pkg_main": (
         "vbll GenClassification, class means = the main draw (randn), noise and S as ours",
@@ -163,8 +169,8 @@ def _train_package(
     body.eval()
 
 
-def one_run(name: str, over: dict[str, Any], seed: int) -> dict[str, Any]:
-    ds = gdata.load("mnist", seed=seed)
+def one_run(name: str, over: dict[str, Any], seed: int, dataset: str = "mnist") -> dict[str, Any]:
+    ds = gdata.load(dataset, seed=seed)
     method = over.get("method", "gvbll")
     width = int(over.get("width", 128))
     train_kw: dict[str, Any] = {
@@ -271,6 +277,39 @@ def summarise(records: list[dict[str, Any]], descs: dict[str, str]) -> list[dict
     return rows
 
 
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The summary as a Markdown table (mean ± s.e.; s.e. omitted for one seed)."""
+
+    def cell(row: dict[str, Any], key: str, digits: int = 3) -> str:
+        if f"{key}_mean" not in row:
+            return "–"
+        mean, se = row[f"{key}_mean"], row[f"{key}_se"]
+        return f"{mean:.{digits}f}" + (f" ± {se:.{digits}f}" if row["num_seeds"] > 1 else "")
+
+    lines = [
+        "| variant | change | seeds | ACC | NLL | ECE | best T (val) | NLL at best T "
+        "| NLL plug-in means | final ‖μ_k‖ |",
+        "|---" * 10 + "|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['variant']}` | {r['description'].split(': ', 1)[-1]} | {r['num_seeds']} | "
+            + " | ".join(
+                [
+                    cell(r, "acc"),
+                    cell(r, "nll"),
+                    cell(r, "ece"),
+                    cell(r, "best_temperature_val", 2),
+                    cell(r, "nll_at_best_temperature"),
+                    cell(r, "nll_plugin_means"),
+                    cell(r, "mean_norm", 1),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -279,9 +318,21 @@ def main(argv: list[str] | None = None) -> int:
         "--factor-seeds", type=int, default=1, help="seeds of the one-factor variants"
     )
     parser.add_argument("--all", action="store_true", help="every factor from both starts")
+    parser.add_argument("--dataset", default="mnist", choices=("mnist", "fashion_mnist"))
+    parser.add_argument(
+        "--table", type=Path, default=None, help="print the Markdown table of a result file"
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the output file's runs of other variants (rerun variants replace theirs)",
+    )
     parser.add_argument("--quick", action="store_true", help="few variants, 1 seed")
     parser.add_argument("--output", type=Path, default=RESULTS / "vbll_generative_ablation.json")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(markdown_table(json.loads(args.table.read_text())["rows"]))
+        return 0
     torch.set_num_threads(1)
     table = variants(args.quick, args.all)
     if args.only:
@@ -293,19 +344,29 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     records: list[dict[str, Any]] = []
+    descriptions = {k: v[0] for k, v in table.items()}
+    if args.append and args.output.exists():
+        old = json.loads(args.output.read_text())
+        records = [r for r in old["records"] if r["variant"] not in table]
+        known = {r["variant"] for r in records}
+        full = variants(False, True)
+        descriptions = {k: full[k][0] for k in full if k in known or k in table}
+        start -= old.get("runtime_s", 0.0)  # the runtime covers every run in the file
 
     def write(complete: bool) -> None:
-        rows = summarise(records, {k: v[0] for k, v in table.items()})
+        rows = summarise(records, descriptions)
         payload = {
             "benchmark": "vbll_generative_ablation",
+            "dataset": args.dataset,
             "protocol": (
-                "MNIST (7000 train / 1500 val / 1500 test), MLP 784-W-W ReLU (W = 128 unless "
+                "7000 train / 1500 val / test images, MLP 784-W-W ReLU (W = 128 unless "
                 "stated) trained jointly with the head, AdamW lr 1e-3 wd 1e-2, clip 2.0, batch "
                 "128, 15 epochs, KL weight 1/N, one thread"
             ),
             "complete": complete,
-            "seeds": seeds,
-            "factor_seeds": seeds[: args.factor_seeds],
+            "seeds_per_variant": {
+                k: [r["seed"] for r in records if r["variant"] == k] for k in descriptions
+            },
             "torch": torch.__version__,
             "platform": platform.platform(),
             "machine_load_1min_at_start": load,
@@ -318,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (_, over) in table.items():
         for seed in seeds if name in FULL_SEEDS else seeds[: args.factor_seeds]:
-            rec = one_run(name, over, seed)
+            rec = one_run(name, over, seed, args.dataset)
             records.append(rec)
             write(False)
             print(
@@ -328,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     write(True)
+    print(markdown_table(summarise(records, descriptions)))
     print(f"wrote {args.output}")
     return 0
 

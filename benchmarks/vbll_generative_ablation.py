@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.cli_args import add_device_argument, synchronize
 from gaussify.experiments import vbll_classification as vc
 from gaussify.last_layer import VBLLGenerative
 
@@ -169,8 +170,14 @@ def _train_package(
     body.eval()
 
 
-def one_run(name: str, over: dict[str, Any], seed: int, dataset: str = "mnist") -> dict[str, Any]:
+def one_run(
+    name: str, over: dict[str, Any], seed: int, dataset: str = "mnist",
+    device: torch.device | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    device = torch.device("cpu") if device is None else device
     ds = gdata.load(dataset, seed=seed)
+    data = {key: getattr(ds, key).to(device) for key in ("x_train", "y_train", "x_val", "y_val",
+                                                         "x_test", "y_test")}  # fmt: skip
     method = over.get("method", "gvbll")
     width = int(over.get("width", 128))
     train_kw: dict[str, Any] = {
@@ -180,9 +187,11 @@ def one_run(name: str, over: dict[str, Any], seed: int, dataset: str = "mnist") 
         "batch_size": 128,
         **over.get("train", {}),
     }
-    n, k = len(ds.y_train), 10
+    n, k = len(data["y_train"]), 10
     torch.manual_seed(seed)
-    body, w = vc.feature_net("mlp", width, ds.x_train.shape[1:])
+    body, w = vc.feature_net("mlp", width, data["x_train"].shape[1:])
+    body.to(device)
+    synchronize(device)
     t0 = time.perf_counter()
     head: nn.Module
     if method == "vbll_pkg":
@@ -194,8 +203,8 @@ def one_run(name: str, over: dict[str, Any], seed: int, dataset: str = "mnist") 
                 layer.mu_mean.copy_(_mean_draw(seed, k, w, over["mean_scale"]))
                 layer.mu_logdiag.fill_(0.5 * math.log(min(1.0, 1.0 / w)))  # log std, as ours
                 layer.noise_logdiag.zero_()  # Sigma = I, as ours
-        head = _VBLLPackageHead(layer)
-        _train_package(body, head, ds.x_train, ds.y_train, seed=seed, **train_kw)
+        head = _VBLLPackageHead(layer).to(device)
+        _train_package(body, head, data["x_train"], data["y_train"], seed=seed, **train_kw)
         prob_fn = head.probs
     else:
         kwargs = dict(over.get("head", {}))
@@ -205,42 +214,45 @@ def one_run(name: str, over: dict[str, Any], seed: int, dataset: str = "mnist") 
             kwargs.setdefault("parameterization", "diagonal")
             if over.get("uniform_prior"):
                 kwargs["dirichlet_prior"] = 1e9
-        head = vc.make_head(method, w, k, n, **kwargs)
+        head = vc.make_head(method, w, k, n, **kwargs).to(device)
         if method == "gvbll":
             assert isinstance(head, VBLLGenerative)
             head.regularization_weight = float(over.get("reg", 1.0)) / n
             with torch.no_grad():
                 head.mu_mean.copy_(_mean_draw(seed, k, w, over["mean_scale"]))
-        vc.train(body, head, ds.x_train, ds.y_train, max_grad_norm=2.0, seed=seed, **train_kw)
+        vc.train(
+            body, head, data["x_train"], data["y_train"], max_grad_norm=2.0, seed=seed, **train_kw
+        )
 
         def prob_fn(phi: Tensor) -> Tensor:
             return vc.predict_probs(head, phi)
 
+    synchronize(device)
     train_s = time.perf_counter() - t0
     with torch.no_grad():
         phi_te, phi_va, phi_tr = (
-            vc.features(body, ds.x_test),
-            vc.features(body, ds.x_val),
-            vc.features(body, ds.x_train),
+            vc.features(body, data["x_test"]),
+            vc.features(body, data["x_val"]),
+            vc.features(body, data["x_train"]),
         )
         torch.manual_seed(10_000 + seed)
         p_te, p_va, p_tr = prob_fn(phi_te), prob_fn(phi_va), prob_fn(phi_tr)
-        res = metrics.classification_metrics(p_te, ds.y_test)
+        res = metrics.classification_metrics(p_te, data["y_test"])
         lp_va, lp_te = p_va.clamp_min(1e-30).log(), p_te.clamp_min(1e-30).log()
 
         def tnll(lp: Tensor, y: Tensor, t: float) -> float:
             return float(nn.functional.cross_entropy(lp / t, y))
 
-        best_t = min(TEMPERATURES, key=lambda t: tnll(lp_va, ds.y_val, t))
+        best_t = min(TEMPERATURES, key=lambda t: tnll(lp_va, data["y_val"], t))
         rec: dict[str, Any] = {
             "variant": name,
             "seed": seed,
             "acc": res["acc"],
             "nll": res["nll"],
             "ece": res["ece"],
-            "train_nll": float(metrics.classification_metrics(p_tr, ds.y_train)["nll"]),
+            "train_nll": float(metrics.classification_metrics(p_tr, data["y_train"])["nll"]),
             "best_temperature_val": best_t,
-            "nll_at_best_temperature": tnll(lp_te, ds.y_test, best_t),
+            "nll_at_best_temperature": tnll(lp_te, data["y_test"], best_t),
             "feature_norm": float(phi_te.norm(dim=-1).mean()),
             "train_seconds": train_s,
         }
@@ -252,9 +264,9 @@ def one_run(name: str, over: dict[str, Any], seed: int, dataset: str = "mnist") 
             from gaussify.last_layer.bounds import generative_log_joint
 
             plug = generative_log_joint(phi_te, head.mu_mean, marginal, head.log_class_prior())
-            rec["nll_plugin_means"] = float(nn.functional.cross_entropy(plug, ds.y_test))
+            rec["nll_plugin_means"] = float(nn.functional.cross_entropy(plug, data["y_test"]))
             uni = head.log_joint(phi_te) - head.log_class_prior()
-            rec["nll_uniform_class_prior"] = float(nn.functional.cross_entropy(uni, ds.y_test))
+            rec["nll_uniform_class_prior"] = float(nn.functional.cross_entropy(uni, data["y_test"]))
     return rec
 
 
@@ -319,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--all", action="store_true", help="every factor from both starts")
     parser.add_argument("--dataset", default="mnist", choices=("mnist", "fashion_mnist"))
+    add_device_argument(parser)
     parser.add_argument(
         "--table", type=Path, default=None, help="print the Markdown table of a result file"
     )
@@ -379,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, (_, over) in table.items():
         for seed in seeds if name in FULL_SEEDS else seeds[: args.factor_seeds]:
-            rec = one_run(name, over, seed, args.dataset)
+            rec = one_run(name, over, seed, args.dataset, args.device)
             records.append(rec)
             write(False)
             print(

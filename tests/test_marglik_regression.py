@@ -54,11 +54,11 @@ def test_stacked_maps_equal_train_map_per_pair() -> None:
     precision and noise: the weights agree to round-off."""
     toy = gap_toy(0)
     pairs = [(0.63, 0.1), (1e-3, 1.0), (10.0, 0.01)]
-    states = exp.train_maps(toy, pairs, 5, 1, 40, 1e-2, 3)
+    states = exp.train_maps(toy, pairs, 4, 1, 20, 1e-2, 3)
     for (delta, sigma2), state in zip(pairs, states, strict=True):
-        model = tanh_mlp(1, 1, 5, 1, 3)
+        model = tanh_mlp(1, 1, 4, 1, 3)
         train_map(
-            model, (toy.x_train, toy.y_train), "regression", delta, 40, 1e-2,
+            model, (toy.x_train, toy.y_train), "regression", delta, 20, 1e-2,
             sigma_noise=math.sqrt(sigma2), batch_size=150, seed=3,
         )  # fmt: skip
         for key, value in model.state_dict().items():

@@ -197,6 +197,7 @@ def test_cli_writes_json_and_both_figures(tmp_path, capsys) -> None:
         ({"steps": 0}, "steps"),
         ({"seeds": (1, 1)}, "seeds"),
         ({"seeds": ()}, "seeds"),
+        ({"jobs": 0}, "jobs"),
     ],
 )
 def test_bad_input(kwargs: dict, name: str) -> None:

@@ -304,6 +304,44 @@ def _seed_run(toy: str, cfg: Config, keep_grid: bool) -> tuple[Any, ...]:
     return hyper, recs, posts, on_grid
 
 
+def _collect(
+    res: PredictiveResults,
+    toys: Sequence[str],
+    seeds: list[int],
+    cfg: Config,
+    futures: dict[tuple[str, int], Any],
+    keep_grid: bool,
+    bar: Any,
+) -> None:
+    """Fill ``res`` seed by seed: the first seed (and every seed without a worker future) runs
+    here, the others are read from ``futures``; records aggregate the seeds."""
+    for toy in toys:
+        per_seed: dict[tuple[str, str], list[dict[str, float]]] = {}
+        res.hyper_seeds[toy] = []
+        for seed in seeds:
+            if (toy, seed) not in futures:
+                out = _seed_run(toy, replace(cfg, seed=seed), keep_grid and seed == seeds[0])
+            else:
+                out = futures[(toy, seed)].result()
+            hyper, recs, posts, on_grid = out
+            res.hyper_seeds[toy].append(hyper)
+            for key, rec in recs.items():
+                per_seed.setdefault(key, []).append(rec)
+            if seed == seeds[0]:
+                res.hyper[toy], res.posteriors[toy] = hyper, posts
+                if keep_grid:
+                    res.grids[toy], res.on_grid[toy] = _grid(toy, cfg), on_grid
+            if bar is not None:
+                bar.update()
+        for (name, method), recs in per_seed.items():
+            row: dict[str, Any] = {"toy": toy, "method": name, "predictive": method}
+            for key in recs[0]:
+                values = [r[key] for r in recs]
+                row[key], row[key + "_se"] = mean_se(values, single=None)
+                row[key + "_seeds"] = values
+            res.records.append(row)
+
+
 def run(
     toys: Sequence[str] = TOYS,
     *,
@@ -334,6 +372,8 @@ def run(
         raise ValueError(
             f"steps, gammas: need steps >= 1 and gammas in (0, 1], got {steps}, {gammas}"
         )
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs: expected an integer >= 1, got {jobs!r}")
     seeds = [int(s) for s in seeds]
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds: expected distinct non-negative integers, got {seeds}")
@@ -352,6 +392,7 @@ def run(
     res = PredictiveResults(config=asdict(cfg), records=[], hyper={}, notes=[], runtime_s=0.0)
     tasks = [(toy, seed) for toy in toys for seed in seeds[1:]]
     pool = None
+    futures: dict[tuple[str, int], Any] = {}
     if jobs > 1 and tasks:
         import concurrent.futures
         import multiprocessing
@@ -361,35 +402,13 @@ def run(
         )
         futures = {task: pool.submit(_seed_run, task[0], replace(cfg, seed=task[1]), False)
                    for task in tasks}  # fmt: skip
-    for toy in toys:
-        per_seed: dict[tuple[str, str], list[dict[str, float]]] = {}
-        res.hyper_seeds[toy] = []
-        for seed in seeds:
-            if seed == seeds[0] or pool is None:
-                out = _seed_run(toy, replace(cfg, seed=seed), keep_grid and seed == seeds[0])
-            else:
-                out = futures[(toy, seed)].result()
-            hyper, recs, posts, on_grid = out
-            res.hyper_seeds[toy].append(hyper)
-            for key, rec in recs.items():
-                per_seed.setdefault(key, []).append(rec)
-            if seed == seeds[0]:
-                res.hyper[toy], res.posteriors[toy] = hyper, posts
-                if keep_grid:
-                    res.grids[toy], res.on_grid[toy] = _grid(toy, cfg), on_grid
-            if bar is not None:
-                bar.update()
-        for (name, method), recs in per_seed.items():
-            row: dict[str, Any] = {"toy": toy, "method": name, "predictive": method}
-            for key in recs[0]:
-                values = [r[key] for r in recs]
-                row[key], row[key + "_se"] = mean_se(values, single=None)
-                row[key + "_seeds"] = values
-            res.records.append(row)
+    try:
+        _collect(res, toys, seeds, cfg, futures, keep_grid, bar)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     if bar is not None:
         bar.close()
-    if pool is not None:
-        pool.shutdown()
     res.notes = [
         f"{cfg.depth} x {cfg.width} tanh MLP, seeds {seeds} (mean ± standard error); "
         "hyperparameters by the Laplace marginal likelihood at the MAP, the MAP retrained at "

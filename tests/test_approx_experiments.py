@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -275,6 +276,7 @@ def gp_res() -> gpc.GPClassificationResults:
         datasets=["iris"],
         splits=[0, 1],
         methods=["moment-ori", "gauss"],
+        alpha_grid=None,  # the fixed Fig. 3 values (the default selects on ALPHA_GRID)
         default_max_train=45,
         max_test=20,
         num_samples=64,
@@ -309,6 +311,67 @@ def test_gp_records_equal_a_recomputed_fit(gp_res: gpc.GPClassificationResults) 
         assert row["error"] == pytest.approx((float(np.mean(errs)), se), abs=1e-12)
     assert gp_res.cpu_s is not None and gp_res.cpu_s > 0
     assert json.loads(json.dumps(gp_res.to_dict()))["experiment"] == "approx_gp_classification"
+
+
+def test_gp_default_selects_alpha_on_the_training_likelihood() -> None:
+    """The default protocol (the paper's, App. C.2) fits every alpha_eps of ALPHA_GRID and keeps
+    the one with the highest training log-likelihood of the MC predictive; each recorded
+    training log-likelihood equals a fresh fit sampled with the same generator sequence."""
+    rec = gpc.run(
+        datasets=["iris"],
+        splits=[0],
+        methods=["moment"],
+        default_max_train=30,
+        max_test=20,
+        num_samples=16,
+        max_iter=10,
+    ).records[0]
+    ds = gs.data.load("iris", seed=0, max_train=30, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    scores = {}
+    for alpha in gpc.ALPHA_GRID:
+        gp = GPClassifier("moment", alpha, noise=gpc.GAUSS_NOISE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gp.fit(ds.x_train, ds.y_train, 3, max_iter=10)
+        probs = gp.predict_proba(ds.x_train, num_samples=16, generator=gen)
+        scores[f"{alpha:g}"] = -gs.metrics.nll(probs.clamp_min(1e-12), ds.y_train)
+    assert list(rec["train_loglik"]) == list(scores)
+    for key, value in scores.items():
+        assert rec["train_loglik"][key] == pytest.approx(value, rel=1e-10)
+    assert f"{rec['alpha_eps']:g}" == max(scores, key=scores.__getitem__)
+    assert rec["flat_functions"] == []
+
+
+def test_gp_combine_equals_one_run(gp_res: gpc.GPClassificationResults) -> None:
+    """Runs split by split, combined, equal the run over both splits (records and rows, up to
+    the timings); overlapping records or differing settings are refused."""
+    kwargs = dict(
+        datasets=["iris"],
+        methods=["moment-ori", "gauss"],
+        alpha_grid=None,
+        default_max_train=45,
+        max_test=20,
+        num_samples=64,
+        max_iter=15,
+    )
+    parts = [gpc.run(splits=[s], **kwargs).to_dict() for s in (1, 0)]
+    merged = gpc.combine(parts)
+    whole = gp_res.to_dict()
+    timing = ("fit_s_selected", "fit_s_all", "predict_s", "fit_s")
+
+    def strip(items: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in items]
+
+    assert strip(merged["records"]) == strip(whole["records"])
+    assert strip(merged["rows"]) == strip(whole["rows"])
+    assert merged["config"] == whole["config"]
+    assert merged["cpu_s"] == pytest.approx(parts[0]["cpu_s"] + parts[1]["cpu_s"])
+    with pytest.raises(ValueError, match="appear twice"):
+        gpc.combine([parts[0], parts[0]])
+    other = dict(parts[1], config={**parts[1]["config"], "num_samples": 1})
+    with pytest.raises(ValueError, match=r"differ in \['num_samples'\]"):
+        gpc.combine([parts[0], other])
 
 
 def test_gp_landscape_is_the_lml_on_the_grid() -> None:

@@ -313,11 +313,15 @@ def test_gp_records_equal_a_recomputed_fit(gp_res: gpc.GPClassificationResults) 
     assert json.loads(json.dumps(gp_res.to_dict()))["experiment"] == "approx_gp_classification"
 
 
-def test_gp_default_selects_alpha_on_the_training_likelihood() -> None:
-    """The default protocol (the paper's, App. C.2) fits every alpha_eps of ALPHA_GRID and keeps
-    the one with the highest training log-likelihood of the MC predictive; each recorded
-    training log-likelihood equals a fresh fit sampled with the same generator sequence."""
-    rec = gpc.run(
+@pytest.mark.parametrize("selection", ["validation", "train"])
+def test_gp_selects_alpha_on_the_grid_by_held_out_or_training_likelihood(selection: str) -> None:
+    """Every alpha_eps of ALPHA_GRID is fitted; each record keeps, per value, the training and
+    validation log-likelihoods of the MC predictive and the test NLL / error, all equal to a
+    fresh fit sampled with the same generators (training draws: seed 1000 s + 7, validation:
+    + 8, per-value test: + 9), and keeps the value with the best score of ``selection`` (the
+    default: validation)."""
+    kwargs = {} if selection == "validation" else {"selection": "train"}
+    res = gpc.run(
         datasets=["iris"],
         splits=[0],
         methods=["moment"],
@@ -325,22 +329,35 @@ def test_gp_default_selects_alpha_on_the_training_likelihood() -> None:
         max_test=20,
         num_samples=16,
         max_iter=10,
-    ).records[0]
+        **kwargs,
+    )
+    rec = res.records[0]
+    assert res.config["selection"] == selection
     ds = gs.data.load("iris", seed=0, max_train=30, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(7)
-    scores = {}
+    gens = [torch.Generator().manual_seed(7 + k) for k in range(3)]
+    expected, lengthscales = {}, {}
     for alpha in gpc.ALPHA_GRID:
         gp = GPClassifier("moment", alpha, noise=gpc.GAUSS_NOISE)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gp.fit(ds.x_train, ds.y_train, 3, max_iter=10)
-        probs = gp.predict_proba(ds.x_train, num_samples=16, generator=gen)
-        scores[f"{alpha:g}"] = -gs.metrics.nll(probs.clamp_min(1e-12), ds.y_train)
-    assert list(rec["train_loglik"]) == list(scores)
-    for key, value in scores.items():
-        assert rec["train_loglik"][key] == pytest.approx(value, rel=1e-10)
-    assert f"{rec['alpha_eps']:g}" == max(scores, key=scores.__getitem__)
-    assert rec["flat_functions"] == []
+        p_train = gp.predict_proba(ds.x_train, num_samples=16, generator=gens[0])
+        p_val = gp.predict_proba(ds.x_val[:20], num_samples=16, generator=gens[1])
+        p_test = gp.predict_proba(ds.x_test[:20], num_samples=16, generator=gens[2])
+        lengthscales[f"{alpha:g}"] = gp.lengthscale.flatten().tolist()
+        expected[f"{alpha:g}"] = {
+            "train_loglik": -gs.metrics.nll(p_train.clamp_min(1e-12), ds.y_train),
+            "val_loglik": -gs.metrics.nll(p_val.clamp_min(1e-12), ds.y_val[:20]),
+            "test_nll": gs.metrics.nll(p_test.clamp_min(1e-300), ds.y_test[:20]),
+        }
+    assert list(rec["per_alpha"]) == list(expected) == list(rec["train_loglik"])
+    for key, ref in expected.items():
+        for name, value in ref.items():
+            assert rec["per_alpha"][key][name] == pytest.approx(value, rel=1e-10)
+    score = "val_loglik" if selection == "validation" else "train_loglik"
+    assert f"{rec['alpha_eps']:g}" == max(expected, key=lambda k: expected[k][score])
+    chosen = f"{rec['alpha_eps']:g}"
+    assert rec["lengthscale"] == pytest.approx(lengthscales[chosen], rel=1e-10)
 
 
 def test_gp_combine_equals_one_run(gp_res: gpc.GPClassificationResults) -> None:
@@ -406,6 +423,8 @@ def test_gp_experiment_bad_input() -> None:
         gpc.run(datasets=["iris"], splits=0)
     with pytest.raises(ValueError, match="alpha_grid"):
         gpc.run(datasets=["iris"], alpha_grid=[0.1, -0.1])
+    with pytest.raises(ValueError, match="selection: expected one of"):
+        gpc.run(datasets=["iris"], selection="test")
 
 
 def test_registered_and_cli(tmp_path) -> None:

@@ -121,6 +121,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--letter", action="store_true", help="only the letter factor")
+    parser.add_argument(
+        "--letter-alphas", nargs="+", type=float, default=[0.01, 0.05, 0.1, 0.2, 0.5]
+    )
+    parser.add_argument("--letter-methods", nargs="+", default=["moment-ori", "moment"])
     add_device_argument(parser)
     args = parser.parse_args()
     if args.device.type != "cpu":
@@ -150,8 +154,8 @@ def main() -> None:
         payload["dataset"] = "letter (split 0, 390 stratified training points, 1000 test points)"
         rows: list[dict] = []
         payload["factors"]["letter"] = rows
-        for method in ("moment-ori", "moment"):
-            for alpha in (0.01, 0.05, 0.1, 0.2, 0.5):
+        for method in args.letter_methods:
+            for alpha in args.letter_alphas:
                 rows.append(_fit(method, alpha, 390, "letter"))
                 save()
         return

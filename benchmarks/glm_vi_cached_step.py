@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 from gaussify import data as gdata  # noqa: E402
+from gaussify.cli_args import add_device_argument, synchronize  # noqa: E402
 from gaussify.experiments.uci_classification import mlp  # noqa: E402
 from gaussify.weight_space.glm_vi import GLMVI  # noqa: E402
 from gaussify.weight_space.glm_vi_cached import CachedGLMVI  # noqa: E402
@@ -45,7 +46,9 @@ def main() -> None:
     parser.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/results/glm_vi_cached_step.json"
     )
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     out = {
         "benchmark": "glm_vi_cached_step",
@@ -59,9 +62,9 @@ def main() -> None:
     }
     for name in ("digits", "satellite"):
         ds = gdata.load(name, seed=0)
-        x, y = ds.x_train[: args.rows], ds.y_train[: args.rows]
+        x, y = ds.x_train[: args.rows].to(device), ds.y_train[: args.rows].to(device)
         torch.manual_seed(0)
-        model = mlp(x.shape[1], int(ds.num_classes or 0))
+        model = mlp(x.shape[1], int(ds.num_classes or 0)).to(device)
         opts = dict(prior_precision=1.0, lr=0.2, num_samples=2, antithetic=True, seed=0)
         engines = {
             "generic": GLMVI(model, "classification", "full", **opts),
@@ -76,6 +79,7 @@ def main() -> None:
             for key, vi in engines.items():
                 t = time.perf_counter()
                 vi.step((x, y))
+                synchronize(device)
                 times[key].append(time.perf_counter() - t)
         med = {k: statistics.median(v) for k, v in times.items()}
         diff = float((engines["cached"].mean - engines["generic"].mean).abs().max())

@@ -183,7 +183,7 @@ class MeanFieldGrid:
         """Monte Carlo predictive E_q[softmax f(x; theta)] of every network over
         ``num_samples`` draws, (G, N, C)."""
         num_samples = check_count(num_samples, "num_samples")
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=x.dtype, device=x.device)
         for _ in range(num_samples):
             total = total + torch.softmax(self._outputs(x), dim=-1)
         return total / num_samples

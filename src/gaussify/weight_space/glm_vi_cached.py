@@ -40,7 +40,8 @@ __all__ = ["CachedGLMVI"]
 
 def _blocks(num_params: int, count: int = 8) -> list[tuple[int, int]]:
     """``count`` near-equal column blocks of [0, num_params) for :func:`syrk_lower_`."""
-    edges = torch.linspace(0, num_params, min(count, num_params) + 1).round().long().tolist()
+    count = min(count, num_params)
+    edges = [round(i * num_params / count) for i in range(count + 1)]
     return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
 
 
@@ -83,7 +84,10 @@ class _CachedGGN:
         self.num_data += rows
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {self.key: self.value, "num_data": torch.tensor(self.num_data)}
+        return {
+            self.key: self.value,
+            "num_data": torch.tensor(self.num_data, device=self.value.device),
+        }
 
 
 class CachedGLMVI(GLMVI):

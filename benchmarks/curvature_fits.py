@@ -207,8 +207,8 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
     """What no fit can beat, timed on the same batches: ``train_epoch_s``, one forward and
     backward pass of the summed cross-entropy per batch (one training epoch without the
     optimiser), and for the exact GGN of a chain ``backward_s``, gaussify's forward pass and
-    its K = C batched backward passes to the first layer in the memory rule's chunks with no
-    reduction (the propagation the diagonal and KFAC both need)."""
+    its K = C batched backward passes to the first layer in the memory rule's chunks (groups of
+    K' < K vectors where one sample with all K exceeds the rule) with no reduction (the propagation the diagonal and KFAC both need)."""
     from gaussify.curvature import batched_backward as bb
     from gaussify.likelihoods import get_likelihood
 
@@ -232,11 +232,16 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
                 run = bb.chain_forward(chain, xb)
                 u = lik.hessian_sqrt(run.output).transpose(1, 2)
                 per = layers if case["structure"] == "diag" else []
-                chunk = bb.rule_chunk(run, model, u.shape[1], storage, per, copies=2)
+                k = u.shape[1]
+                chunk = bb.rule_chunk(run, model, k, storage, per, copies=2, floor=0)
+                cols = k
+                if chunk == 0:  # one sample with all K vectors exceeds the rule: groups
+                    chunk, cols = 1, bb.rule_columns(run, model, k, storage, per, copies=2)
                 for start in range(0, xb.shape[0], chunk):
                     rows = slice(start, start + chunk)
-                    for _ in bb.backward_chunk(run, u[rows], layers, rows):
-                        pass
+                    for c0 in range(0, k, cols):
+                        for _ in bb.backward_chunk(run, u[rows, c0 : c0 + cols], layers, rows):
+                            pass
 
     out["backward_s"] = _best_of(backward)
     return out

@@ -26,7 +26,7 @@ samples being propagated (see :func:`backward_chunk`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ __all__ = [
     "chain_squared_sums",
     "module_chain",
     "rule_chunk",
+    "rule_columns",
 ]
 
 #: Element-wise activations: the vector-Jacobian product is g * phi'(a).
@@ -136,6 +137,8 @@ class ChainPass:
     chain: list[tuple[str, nn.Module]]
     acts: list[Tensor]
     indices: dict[int, Tensor]
+    #: the memory rule's per-batch sizes (:func:`rule_chunk`), computed once per pass
+    sizes: dict[object, int] = field(default_factory=dict)
 
     @property
     def output(self) -> Tensor:
@@ -349,27 +352,80 @@ def chain_squared_sums(
     # the (N, out) sums over K of the squared gradients of the linear layers, reduced once per
     # batch, where holding them costs few more chunks (they pay where chunks are small)
     sums = sum(n * run.acts[i + 1][0].numel() for i in wanted if type(chain[i][1]) is nn.Linear)
-    rule = {"copies": 2, "buffers": sums}
-    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, **rule)
-    if chunk_size is None:
-        plain = rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, copies=2)
-        if 2 * -(-n // chunk) > 3 * -(-n // plain):  # 1.5 x as many chunks: no buffers
-            rule, chunk = {"copies": 2, "buffers": 0}, plain
-    buffered = rule["buffers"] > 0
-    if (
-        rowwise
-        and chunk < n
-        and rule_chunk(run, model, k, storage, wanted, **rule, floor=0) >= chunk
-    ):
-        # the vectors of the whole batch fit beside chunks as large: form them once
+    if chunk_size is not None:
+        chunk, cols, buffered, whole_rows = chunk_size, k, True, not rowwise
+        if rowwise and chunk < n:
+            fits = rule_chunk(run, model, k, storage, wanted, copies=2, buffers=sums, floor=0)
+            whole_rows = fits >= chunk
+    else:
+        chunk, cols, buffered, whole_rows = _plan(run, model, k, storage, wanted, rowwise, sums)
+    if rowwise and (whole_rows or chunk >= n):
+        # the vectors of the whole batch fit beside the chunks: form them once
         whole = vectors(slice(0, n))
 
         def vectors(rows: slice) -> Tensor:
             return whole[rows]
 
     with torch.no_grad():
-        _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered)
+        _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered, cols)
     return f
+
+
+#: the rough cost, in tensor operations, of the steps of a chunk (each costs some 5-20 us of
+#: fixed overhead on the CPU, which dominates the small products of small chunks): the
+#: output vectors formed per chunk, a linear layer's reduction buffered (a product and a sum
+#: into the batch's buffer) or not (the squared inputs and two products per chunk), a
+#: product per module, the batch's reductions of the buffers
+_COST_VECTORS, _COST_BUFFERED, _COST_PLAIN, _COST_MODULE, _COST_BUFFER = 12, 2, 8, 3, 5
+
+
+def _plan(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    wanted: dict[int, str],
+    rowwise: bool,
+    sums: int,
+) -> tuple[int, int, bool, bool]:
+    """(samples per chunk, vectors per pass, linear sums buffered per batch, output vectors
+    formed for the whole batch) for :func:`chain_squared_sums` under the memory rule: of the
+    settings whose chunks hold at least one sample, the one with the fewest tensor operations
+    by the cost model above (more, smaller chunks cost their fixed overheads; the vectors
+    formed once or the buffers take budget from the chunks); where none does, one sample
+    per chunk and groups of vectors (:func:`rule_columns`)."""
+    n = run.acts[0].shape[0]
+    linear = sum(type(run.chain[i][1]) is nn.Linear for i in wanted)
+    others = len(wanted) - linear
+    passes = len(run.chain) - min(wanted)
+    best: tuple[float, tuple[int, int, bool, bool]] | None = None
+    for whole in (False, True) if rowwise else (True,):
+        for buffers in (0, sums) if sums else (0,):
+            c = rule_chunk(
+                run,
+                model,
+                k,
+                storage,
+                wanted,
+                rowwise=not whole,
+                copies=2,
+                buffers=buffers,
+                floor=0,
+            )
+            if c == 0:
+                continue
+            chunks = -(-n // c)
+            per_chunk = passes * _COST_MODULE + others * _COST_PLAIN
+            per_chunk += linear * (_COST_BUFFERED if buffers else _COST_PLAIN)
+            per_chunk += 0 if whole else _COST_VECTORS
+            fixed = (_COST_VECTORS if whole else 0) + (linear * _COST_BUFFER if buffers else 0)
+            cost = chunks * per_chunk + fixed
+            if best is None or cost < best[0]:
+                best = (cost, (min(c, n), k, buffers > 0, whole))
+    if best is not None:
+        return best[1]
+    # one sample with all K vectors exceeds the rule: groups of K' vectors per pass
+    return 1, rule_columns(run, model, k, storage, wanted, rowwise=rowwise, copies=2), False, False
 
 
 def _accumulate_squares(
@@ -380,8 +436,10 @@ def _accumulate_squares(
     view: Callable[[str], Tensor],
     chunk: int,
     buffered: bool,
+    cols: int | None = None,
 ) -> None:
-    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums.
+    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums, in
+    groups of ``cols`` output vectors (all K if None; the sums over K add up over groups).
 
     A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
     s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
@@ -398,30 +456,50 @@ def _accumulate_squares(
     squares = {i: f.new_empty(n, run.acts[i + 1].shape[1]) for i in linear} if buffered else {}
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        ut = vectors(rows)
-        if ut.dtype != f.dtype:
-            ut = ut.to(f.dtype)
-        for i, d in backward_chunk(run, ut, list(wanted), rows):
-            if i in linear:
-                if buffered:
-                    torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
-                else:
-                    _add_linear_squares(targets[i], (d * d).sum(1), run.acts[i][rows])
-                continue
-            module, views = run.chain[i][1], targets[i]
-            assert isinstance(module, nn.Conv2d)
-            if "weight" in views:
-                w = views["weight"]
-                a = run.acts[i][rows]
-                sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
-                w.view(module.out_channels, -1).add_(sums.to(w.dtype))
-            if "bias" in views:
-                b = views["bias"]
-                per = d.sum((-2, -1))
-                b.add_((per * per).sum((0, 1)).to(b.dtype))
-        del d, ut  # the chunk's K-fold tensors, before the per-batch reductions
+        whole = vectors(rows)
+        if whole.dtype != f.dtype:
+            whole = whole.to(f.dtype)
+        step = cols or whole.shape[1]
+        for c0 in range(0, whole.shape[1], step):
+            ut = whole if step >= whole.shape[1] else whole[:, c0 : c0 + step]
+            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered)
+            del ut  # the chunk's K-fold tensors, before the per-batch reductions
+        del whole
     for i, sq in squares.items():
         _add_linear_squares(targets[i], sq, run.acts[i])
+
+
+def _reduce_chunk(
+    run: ChainPass,
+    ut: Tensor,
+    rows: slice,
+    wanted: dict[int, str],
+    targets: dict[int, dict[str, Tensor]],
+    linear: set[int],
+    squares: dict[int, Tensor],
+    buffered: bool,
+) -> None:
+    """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
+    its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
+    ``squares``)."""
+    for i, d in backward_chunk(run, ut, list(wanted), rows):
+        if i in linear:
+            if buffered:
+                torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
+            else:
+                _add_linear_squares(targets[i], (d * d).sum(1), run.acts[i][rows])
+            continue
+        module, views = run.chain[i][1], targets[i]
+        assert isinstance(module, nn.Conv2d)
+        if "weight" in views:
+            w = views["weight"]
+            a = run.acts[i][rows]
+            sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
+            w.view(module.out_channels, -1).add_(sums.to(w.dtype))
+        if "bias" in views:
+            b = views["bias"]
+            per = d.sum((-2, -1))
+            b.add_((per * per).sum((0, 1)).to(b.dtype))
 
 
 def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:
@@ -456,18 +534,65 @@ def rule_chunk(
     gradients). ``rowwise``: the output vectors (K C per sample) are formed per chunk, not for
     the whole batch; ``buffers``: elements of the caller's per-batch buffers; ``floor``: the
     fewest samples returned (0 says the budget does not hold one)."""
+    budget = _rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    per = frozenset(per_sample_grads)
+    if (k, per) not in run.sizes:
+        run.sizes[(k, per)] = backward_peak(run, k, set(per))
+    per_sample = run.sizes[(k, per)]
+    per_sample += k * run.acts[-1][0].numel() if rowwise else 0
+    return max(floor, budget // max(per_sample, 1))
+
+
+def _rule_budget(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    rowwise: bool,
+    copies: int,
+    buffers: int,
+) -> int:
+    """Elements the K-fold backward tensors may hold under the rule (see :func:`rule_chunk`)."""
     n = run.acts[0].shape[0]
-    per_act = [a[0].numel() for a in run.acts]
-    held = _held_activations(run)
-    step = _step_peak(run, model, held)
+    if "step" not in run.sizes:  # once per pass: a Python loop over the modules' parameters
+        held = _held_activations(run)
+        run.sizes["step"] = _step_peak(run, model, held)
+        run.sizes["held"] = sum(held)
+    step, held_sum = run.sizes["step"], run.sizes["held"]
     # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
     # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)
-    vectors = 0 if rowwise else n * k * per_act[-1]  # rowwise: per chunk, below
-    budget = (17 * (step + storage)) // 10 - n * sum(held) - vectors - copies * storage - buffers
-    per_sample = backward_peak(run, k, set(per_sample_grads))
-    per_sample += k * per_act[-1] if rowwise else 0
-    return max(floor, budget // max(per_sample, 1))
+    vectors = 0 if rowwise else n * k * run.acts[-1][0].numel()  # rowwise: per chunk
+    budget = (17 * (step + storage)) // 10 - n * held_sum - vectors - copies * storage
+    return budget - buffers
+
+
+def rule_columns(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    per_sample_grads: Iterable[int] = (),
+    *,
+    rowwise: bool = False,
+    copies: int = 1,
+    buffers: int = 0,
+) -> int:
+    """Output vectors propagated together when one sample with all K exceeds the rule's
+    budget (:func:`rule_chunk` gives 0 samples): the most K' < K whose per-sample peak
+    :func:`backward_peak` fits it (the backward pass is linear in the vectors, so the sums
+    over K split into sums over groups of K' exactly), at least 1; K when one sample fits.
+    With ``rowwise`` the K C vectors of the sample are formed whole per chunk."""
+    budget = _rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    budget -= k * run.acts[-1][0].numel() if rowwise else 0
+    per = set(per_sample_grads)
+    if backward_peak(run, k, per) <= budget:
+        return k
+    lo, hi = 1, k  # backward_peak grows with K: the largest K' with peak(K') <= budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if backward_peak(run, mid, per) <= budget else (lo, mid)
+    return lo
 
 
 def _held_activations(run: ChainPass) -> list[int]:
@@ -518,6 +643,8 @@ def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
         elif kind in _ELEMENTWISE:
             # in place, with phi'(a); a new product where g is still the caller's vectors
             alive = k * out + out + (k * out if i == len(run.chain) - 1 else 0)
+        elif kind is nn.Conv2d and i > 0:
+            alive = k * (out + inp) + k * _transposed_workspace(m, out, inp)
         elif kind in (nn.Linear, nn.Conv2d, nn.MaxPool2d):
             alive = k * (out + inp)
         else:
@@ -533,3 +660,23 @@ def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
             # squared inputs of a linear layer
             peak = max(peak, k * 2 * out + (out + inp if i in per_sample_grads else 0))
     return peak
+
+
+def _transposed_workspace(conv: nn.Conv2d, out: int, inp: int) -> int:
+    """Elements per vector of the CPU transposed convolution's workspace (oneDNN), ``out`` /
+    ``inp`` the layer's output / input sizes per sample: the incoming gradient reordered into
+    blocks of 16 channels, and the result too when its channels are not a multiple of 16
+    (measured, 100 vectors: 1,047 for 16 -> 16 channels on 8 x 8 (bound 1,024), 1,985 for
+    16 -> 1 (bound 2,048), 7,425 for 8 -> 3 on 16 x 16 (bound 8,192); the weight's reorder
+    is a constant within the rule's margin).
+    """
+    t_out, t_in = out // conv.out_channels, inp // conv.in_channels
+    ws = _blocked(conv.out_channels) * t_out
+    if conv.in_channels % 16:
+        ws += _blocked(conv.in_channels) * t_in
+    return ws
+
+
+def _blocked(channels: int) -> int:
+    """Channels rounded up to oneDNN's blocks of 16."""
+    return -(-channels // 16) * 16

@@ -23,6 +23,7 @@ from gaussify.curvature.batched_backward import (
     chain_forward,
     module_chain,
     rule_chunk,
+    rule_columns,
 )
 from gaussify.curvature.patches import conv2d_patches
 
@@ -123,14 +124,20 @@ def chain_output_grams(
     wanted = {run.position(p): p for p in paths}
     rowwise = callable(vecs)
     k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
-    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise)
+    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise, floor=0)
+    cols = k
+    if chunk == 0:  # one sample with all K vectors exceeds the rule: groups of K' vectors
+        chunk, cols = 1, rule_columns(run, model, k, storage, rowwise=rowwise)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         part = vecs(rows) if callable(vecs) else vecs[:, rows]
-        u = part.transpose(0, 1).to(run.output.dtype)
-        for i, d in backward_chunk(run, u, list(wanted), rows):
-            g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
-            gram(g, approx, "sum", out=out[wanted[i]])
+        for c0 in range(0, k, cols):
+            u = (part if cols >= k else part[c0 : c0 + cols]).transpose(0, 1)
+            u = u.to(run.output.dtype)
+            for i, d in backward_chunk(run, u, list(wanted), rows):
+                g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
+                gram(g, approx, "sum", out=out[wanted[i]])
+            del u
 
 
 def input_gram(

@@ -18,10 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from gaussify.curvature import make_curvature
 from gaussify.curvature.batched_backward import (
-    _rule_budget,
     backward_peak,
     chain_forward,
     module_chain,
+    rule_budget,
     rule_chunk,
     rule_columns,
 )
@@ -90,7 +90,7 @@ def test_rule_columns_is_the_most_vectors_one_sample_fits() -> None:
     per = {0, 2, 6}
     assert rule_chunk(run, model, 100, storage, per, rowwise=True, copies=2, floor=0) == 0
     cols = rule_columns(run, model, 100, storage, per, rowwise=True, copies=2)
-    budget = _rule_budget(run, model, 100, storage, True, 2, 0) - 100 * 100
+    budget = rule_budget(run, model, 100, storage, True, 2, 0) - 100 * 100
     assert 1 <= cols < 100
     assert backward_peak(run, cols, per) <= budget < backward_peak(run, cols + 1, per)
     small = cnn(10)

@@ -41,6 +41,7 @@ __all__ = [
     "chain_forward",
     "chain_squared_sums",
     "module_chain",
+    "rule_budget",
     "rule_chunk",
     "rule_columns",
 ]
@@ -246,10 +247,11 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
 
 def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """phi'(a) of an element-wise module with input a and output ``out`` (autograd's own
-    backward formulas for ReLU, tanh and sigmoid; an autograd pass on a for the others)."""
+    backward formulas for ReLU, tanh and sigmoid; an autograd pass on a for the others); for
+    ReLU a boolean mask (the product g * mask promotes it: one operation less per chunk)."""
     kind = type(m)
     if kind is nn.ReLU:
-        return (out > 0).to(dtype)  # threshold_backward: the gradient where the output > 0
+        return out > 0  # threshold_backward: the gradient where the output > 0 (g * mask)
     if kind is nn.Tanh:
         y = out.to(dtype)
         return 1 - y * y  # tanh_backward: g (1 - y^2)
@@ -534,7 +536,7 @@ def rule_chunk(
     gradients). ``rowwise``: the output vectors (K C per sample) are formed per chunk, not for
     the whole batch; ``buffers``: elements of the caller's per-batch buffers; ``floor``: the
     fewest samples returned (0 says the budget does not hold one)."""
-    budget = _rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers)
     per = frozenset(per_sample_grads)
     if (k, per) not in run.sizes:
         run.sizes[(k, per)] = backward_peak(run, k, set(per))
@@ -543,16 +545,17 @@ def rule_chunk(
     return max(floor, budget // max(per_sample, 1))
 
 
-def _rule_budget(
+def rule_budget(
     run: ChainPass,
     model: nn.Module,
     k: int,
     storage: int,
-    rowwise: bool,
-    copies: int,
-    buffers: int,
+    rowwise: bool = True,
+    copies: int = 1,
+    buffers: int = 0,
 ) -> int:
-    """Elements the K-fold backward tensors may hold under the rule (see :func:`rule_chunk`)."""
+    """Elements the K-fold backward tensors (or other per-chunk temporaries) may hold under
+    the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held)."""
     n = run.acts[0].shape[0]
     if "step" not in run.sizes:  # once per pass: a Python loop over the modules' parameters
         held = _held_activations(run)
@@ -583,7 +586,7 @@ def rule_columns(
     :func:`backward_peak` fits it (the backward pass is linear in the vectors, so the sums
     over K split into sums over groups of K' exactly), at least 1; K when one sample fits.
     With ``rowwise`` the K C vectors of the sample are formed whole per chunk."""
-    budget = _rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers)
     budget -= k * run.acts[-1][0].numel() if rowwise else 0
     per = set(per_sample_grads)
     if backward_peak(run, k, per) <= budget:

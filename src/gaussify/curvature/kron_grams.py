@@ -22,6 +22,7 @@ from gaussify.curvature.batched_backward import (
     backward_chunk,
     chain_forward,
     module_chain,
+    rule_budget,
     rule_chunk,
     rule_columns,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "KFACApprox",
     "augment",
     "chain_capture",
+    "chain_input_budget",
     "chain_output_grams",
     "gram",
     "input_gram",
@@ -140,21 +142,35 @@ def chain_output_grams(
             del u
 
 
+def chain_input_budget(model: nn.Module, run: ChainPass, storage: int) -> int:
+    """Elements the input factors' im2col patches may take under the memory rule
+    (:func:`gaussify.curvature.batched_backward.rule_chunk`) once the backward pass is done:
+    2 (a training step's peak + ``storage``) with its margin, less the activations and the
+    storage."""
+    return rule_budget(run, model, 0, storage)
+
+
 def input_gram(
     module: nn.Module,
     inp: Tensor,
     block: tuple[str, bool, bool],
     approx: KFACApprox,
     out: Tensor,
+    budget: int | None = None,
 ) -> int:
     """Add A = sum [a, 1] [a, 1]^T of a layer's input ``inp`` (N, ...) into ``out`` and return
     the number of terms M it adds (N T for "expand", N for "reduce"). ``block``: (module path,
     weight in the block, bias in the block). Chunks of samples keep the block inputs (a
-    convolution's im2col patches are about kh kw times its input) near the input's size."""
+    convolution's im2col patches are about kh kw times its input; 3 copies of them are alive
+    at once, measured) within ``budget`` elements (the memory rule's, :func:`chain_input_budget`), else near the
+    input's size."""
     path, use_weight, use_bias = block
     n = inp.shape[0]
     per_sample = layer_inputs(module, inp[:1], path).numel() + 1
-    rows = max(1, min(n, inp.numel() // per_sample))
+    if budget is None:
+        rows = max(1, min(n, inp.numel() // per_sample))
+    else:  # measured: 3 copies of the patches per sample (unfold's, [a, 1], one more)
+        rows = max(1, min(n, budget // (3 * per_sample)))
     count = 0
     for start in range(0, n, rows):
         a = augment(layer_inputs(module, inp[start : start + rows], path), use_weight, use_bias)

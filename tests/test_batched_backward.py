@@ -364,3 +364,25 @@ def test_groups_of_vectors_equal_all_vectors(
         torch.testing.assert_close(a2, a, rtol=1e-10, atol=1e-13)
         torch.testing.assert_close(b2, b, rtol=1e-10, atol=1e-13)
         torch.testing.assert_close(m2, m)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_squared_grads_in_groups_of_vectors_equal_the_brute_force(groups: int) -> None:
+    """A convolution whose weight is far larger than its output (8 -> 6 channels, 3 x 3
+    kernel on a 4 x 4 input: 24 outputs, 216 weights per group's block) forms the per-sample
+    weight gradients of K' = K out / weight = 1 vector at a time: the squared sums over
+    (sample, vector) equal the float64 brute force sum_{n,k} (sum_t d a_t^T)^2."""
+    from gaussify.curvature.batched_backward import _conv_squared_grads, conv_vector_group
+    from gaussify.curvature.patches import conv2d_patches, conv_weight_grads
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 6, 3, groups=groups).double()
+    x = torch.randn(3, 8, 4, 4, dtype=torch.float64)
+    k = 5
+    d = torch.randn(3, k, 6, 2, 2, dtype=torch.float64)
+    assert conv_vector_group(conv, k, d[0, 0].numel()) == 1
+    patches = conv2d_patches(conv, x)
+    expected = sum(conv_weight_grads(conv, patches, d[:, j]).square().sum(0) for j in range(k))
+    got = _conv_squared_grads(conv, patches, d)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert conv_vector_group(nn.Conv2d(1, 4, 3), k, 4 * 16) == k  # small weight: all K

@@ -40,6 +40,7 @@ __all__ = [
     "backward_peak",
     "chain_forward",
     "chain_squared_sums",
+    "conv_vector_group",
     "module_chain",
     "rule_budget",
     "rule_chunk",
@@ -287,13 +288,29 @@ def backward_chunk(
 def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
     """sum_{k,n} (sum_t delta_{k,n,t} a_{n,t}^T)^2, shape (C_out, C_in / G * kh * kw), from the
     patches (B, C_in kh kw, T) and d (B, K, C_out, H_out, W_out): one batched matmul over
-    (sample, group) of the K stacked gradients (K out/G, T) with the patches (T, in/G)."""
+    (sample, group) of the stacked gradients (K' out/G, T) with the patches (T, in/G) per
+    group of K' = :func:`conv_vector_group` vectors (the K' per-sample weight gradients are
+    at most about the size of the K gradients d)."""
     b, k, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
     per = conv.out_channels // groups
-    dd = d.reshape(b, k, groups, per, t).transpose(1, 2).reshape(b * groups, k * per, t)
-    a = patches.view(b * groups, patches.shape[1] // groups, t)
-    grads = torch.bmm(dd, a.transpose(1, 2)).view(b, groups, k, per, -1)
-    return grads.square_().sum((0, 2)).reshape(conv.out_channels, -1)
+    a = patches.view(b * groups, patches.shape[1] // groups, t).transpose(1, 2)
+    step = conv_vector_group(conv, k, d[0, 0].numel())
+    total = None
+    for k0 in range(0, k, step):
+        part = d[:, k0 : k0 + step]
+        kk = part.shape[1]
+        dd = part.reshape(b, kk, groups, per, t).transpose(1, 2).reshape(b * groups, kk * per, t)
+        sums = torch.bmm(dd, a).view(b, groups, kk, per, -1).square_().sum((0, 2))
+        total = sums if total is None else total.add_(sums)
+    assert total is not None
+    return total.reshape(conv.out_channels, -1)
+
+
+def conv_vector_group(conv: nn.Conv2d, k: int, out: int) -> int:
+    """Vectors K' whose per-sample weight gradients a convolution with ``out`` output
+    elements per sample forms at once in the diagonal's reduction: K' C_out C_in kh kw / G
+    at most about K out (the K gradients' own size), at least 1, at most K."""
+    return max(1, min(k, (k * out) // conv.weight.numel()))
 
 
 def chain_squared_sums(
@@ -654,10 +671,12 @@ def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
             alive = k * (out + 2 * inp)  # autograd's product at a zero input
         peak = max(peak, alive)
         if i in per_sample_grads and kind is nn.Conv2d:
-            # the gradient, the patches and the K per-sample weight gradients (squared in place)
+            # the gradient, the patches and the per-sample weight gradients of a group of
+            # vectors (squared in place)
             t = out // m.out_channels
             patches = m.weight[0].numel() * m.groups * t
-            peak = max(peak, k * out + patches + k * m.weight.numel())
+            group = conv_vector_group(m, k, out)
+            peak = max(peak, k * out + patches + group * m.weight.numel())
         elif kind in (nn.Linear, nn.Conv2d):
             # the gradient and its square / reordered copy; a diagonal's sums over K and the
             # squared inputs of a linear layer

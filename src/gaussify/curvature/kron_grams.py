@@ -162,8 +162,8 @@ def input_gram(
     the number of terms M it adds (N T for "expand", N for "reduce"). ``block``: (module path,
     weight in the block, bias in the block). Chunks of samples keep the block inputs (a
     convolution's im2col patches are about kh kw times its input; 3 copies of them are alive
-    at once, measured) within ``budget`` elements (the memory rule's, :func:`chain_input_budget`), else near the
-    input's size."""
+    at once, measured) within ``budget`` elements (the memory rule's,
+    :func:`chain_input_budget`), else near the input's size."""
     path, use_weight, use_bias = block
     n = inp.shape[0]
     per_sample = layer_inputs(module, inp[:1], path).numel() + 1

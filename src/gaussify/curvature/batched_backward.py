@@ -141,6 +141,9 @@ class ChainPass:
     indices: dict[int, Tensor]
     #: the memory rule's per-batch sizes (:func:`rule_chunk`), computed once per pass
     sizes: dict[object, int] = field(default_factory=dict)
+    #: per pass: weights detached in the gradients' dtype, ReLU masks (:func:`_vjp`)
+    weights: dict[int, Tensor] = field(default_factory=dict)
+    masks: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def output(self) -> Tensor:
@@ -198,19 +201,20 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     """g (B, K, *out_i) -> g J_i (B, K, *in_i) for module i on the samples ``rows`` (sample
     major, so that the K vectors of a sample are contiguous: a convolution's per-sample
     products then need no copy). With ``owned`` an element-wise module overwrites g (no
-    second K-fold tensor)."""
+    second K-fold tensor). Per chunk only the products themselves: the weights (detached, in
+    g's dtype) and ReLU's masks come once per pass (:func:`_weight`, :func:`_mask`)."""
     m = run.chain[i][1]
-    a = run.acts[i][rows]
-    b, k = g.shape[:2]
     kind = type(m)
     if kind is nn.Linear:
-        return g @ m.weight.detach().to(g.dtype)
+        return g @ _weight(run, i, g.dtype)
+    b, k = g.shape[:2]
+    shape = run.acts[i].shape[1:]  # module i's input per sample (values not needed)
     if kind is nn.Conv2d:
         # the adjoint of the convolution: a transposed convolution (1.5-3 x faster on the CPU
         # than autograd's convolution_backward), its output padding restoring the input size
         flat = g.reshape(b * k, *g.shape[2:])
         extra = [
-            a.shape[2 + d]
+            shape[1 + d]
             - ((g.shape[3 + d] - 1) * m.stride[d] - 2 * m.padding[d])
             - m.dilation[d] * (m.kernel_size[d] - 1)
             - 1
@@ -218,23 +222,27 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
         ]
         grad = F.conv_transpose2d(
             flat,
-            m.weight.detach().to(g.dtype),
+            _weight(run, i, g.dtype),
             stride=m.stride,
             padding=m.padding,
             output_padding=tuple(extra),
             groups=m.groups,
             dilation=m.dilation,
         )
-        return grad.view(b, k, *a.shape[1:])
+        return grad.view(b, k, *shape)
     if kind is nn.MaxPool2d:
         # autograd's rule: each output's gradient is added at the position of its maximum
         idx = run.indices[i][rows].flatten(-2).unsqueeze(1)
         src = g.flatten(-2)
-        out = g.new_zeros(b, k, *a.shape[1:-2], a.shape[-2] * a.shape[-1])
+        out = g.new_zeros(b, k, *shape[:-2], shape[-2] * shape[-1])
         out.scatter_add_(-1, idx.expand_as(src), src)
-        return out.view(b, k, *a.shape[1:])
+        return out.view(b, k, *shape)
     if kind is nn.Flatten or kind is nn.Unflatten:
-        return g.reshape(b, k, *a.shape[1:])
+        return g.reshape(b, k, *shape)
+    if kind is nn.ReLU:
+        mask = _mask(run, i)[rows]
+        return g.mul_(mask) if owned else g * mask
+    a = run.acts[i][rows]
     if kind in _ELEMENTWISE:
         deriv = _derivative(m, a, run.acts[i + 1][rows], g.dtype).unsqueeze(1)
         return g.mul_(deriv) if owned else g * deriv
@@ -246,13 +254,28 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     return grad.view(b, k, *a.shape[1:])
 
 
+def _weight(run: ChainPass, i: int, dtype: torch.dtype) -> Tensor:
+    """Module i's weight, detached and in ``dtype``, once per pass."""
+    w = run.weights.get(i)
+    if w is None or w.dtype != dtype:
+        w = run.weights[i] = run.chain[i][1].weight.detach().to(dtype)
+    return w
+
+
+def _mask(run: ChainPass, i: int) -> Tensor:
+    """A ReLU's derivative on the whole batch, its output > 0 (threshold_backward), as a
+    boolean (N, 1, *out) tensor, once per pass (counted by :func:`_held_activations`)."""
+    mask = run.masks.get(i)
+    if mask is None:
+        mask = run.masks[i] = (run.acts[i + 1] > 0).unsqueeze(1)
+    return mask
+
+
 def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """phi'(a) of an element-wise module with input a and output ``out`` (autograd's own
-    backward formulas for ReLU, tanh and sigmoid; an autograd pass on a for the others); for
-    ReLU a boolean mask (the product g * mask promotes it: one operation less per chunk)."""
+    backward formulas for tanh and sigmoid; an autograd pass on a for the others; ReLU's is
+    a mask, :func:`_mask`)."""
     kind = type(m)
-    if kind is nn.ReLU:
-        return out > 0  # threshold_backward: the gradient where the output > 0 (g * mask)
     if kind is nn.Tanh:
         y = out.to(dtype)
         return 1 - y * y  # tanh_backward: g (1 - y^2)
@@ -577,7 +600,7 @@ def rule_budget(
     if "step" not in run.sizes:  # once per pass: a Python loop over the modules' parameters
         held = _held_activations(run)
         run.sizes["step"] = _step_peak(run, model, held)
-        run.sizes["held"] = sum(held)
+        run.sizes["held"] = sum(held) + _mask_elements(run)
     step, held_sum = run.sizes["step"], run.sizes["held"]
     # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
@@ -613,6 +636,17 @@ def rule_columns(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if backward_peak(run, mid, per) <= budget else (lo, mid)
     return lo
+
+
+def _mask_elements(run: ChainPass) -> int:
+    """Elements (of the activations' size) per sample of the ReLU masks a pass holds
+    (:func:`_mask`, one byte per output)."""
+    width = run.acts[0].element_size()
+    out = 0
+    for i, (_, m) in enumerate(run.chain):
+        if type(m) is nn.ReLU:
+            out += -(-run.acts[i + 1][0].numel() // width)
+    return out
 
 
 def _held_activations(run: ChainPass) -> list[int]:

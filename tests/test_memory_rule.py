@@ -109,3 +109,56 @@ def test_backward_peak_counts_the_transposed_convolution_workspace() -> None:
         model = nn.Sequential(nn.Identity(), nn.Conv2d(c_in, 16, 3, padding=1))
         run = chain_forward(module_chain(model), torch.rand(2, c_in, 8, 8))
         assert backward_peak(run, k, set()) == k * (16 * 64 + c_in * 64) + k * extra
+
+
+def _wide_mlp(scale: float = 1.0) -> nn.Sequential:
+    """3-200-200-4 (ReLU); ``scale`` multiplies the first layer and divides the last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU())
+    model.append(nn.Linear(200, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(scale)
+        model[0].bias.mul_(scale)
+        model[4].weight.div_(scale)
+    return model.eval()
+
+
+def test_linear_chain_diagonal_has_no_batch_temporary() -> None:
+    """On a chain of linear layers the diagonal's batch is added to the stored diagonal only
+    once complete and checked (deferred, buffered sums), not summed into a P-sized temporary
+    first: an update's peak (the curvature already allocated, P = 41,804 floats) stays below
+    P floats, where summing apart alone takes P; the values equal the float64 oracle of two
+    updates summed."""
+    model = _wide_mlp()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    curv = make_curvature("diag", model, "classification")
+    curv.update(model, x[:4], y[:4])  # warm-up and the first batch
+    _, peak = alloc_peak(lambda: curv.update(model, x[4:], y[4:]))
+    p = curv.ggn_diag.numel()
+    assert p == 41_804
+    assert peak < p * curv.ggn_diag.element_size()
+    ref = make_curvature("diag", model.double(), "classification")
+    ref.update(model, x.double(), y)
+    torch.testing.assert_close(curv.ggn_diag.double(), ref.ggn_diag, rtol=1e-5, atol=1e-9)
+
+
+def test_linear_chain_diagonal_overflow_leaves_the_state_unchanged() -> None:
+    """The deferred additions are checked before any is made: a first layer scaled by 1e20
+    and the output layer by 1e-20 give finite outputs, but the second layer's squared inputs
+    (about 1e40) exceed float32's range while its output gradients underflow (0 inf = NaN);
+    the update raises naming that parameter (as summing apart did) and the stored diagonal
+    and count stay as they were (after a good batch on the unscaled network)."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+    model = _wide_mlp()
+    curv = make_curvature("diag", model, "classification")
+    curv.update(model, x, y)
+    before = curv.ggn_diag.clone()
+    big = _wide_mlp(scale=1e20)
+    with torch.no_grad():
+        assert torch.isfinite(big(x)).all()
+    with pytest.raises(ValueError, match=r"NaN Jacobian in parameter '2\.weight'"):
+        curv.update(big, x, y)
+    assert torch.equal(curv.ggn_diag, before)
+    assert curv.num_data == 4

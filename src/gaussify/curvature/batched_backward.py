@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gaussify.curvature.patches import conv2d_patches
+from gaussify.likelihoods import all_finite
 
 __all__ = [
     "ChainPass",
@@ -41,6 +42,7 @@ __all__ = [
     "chain_forward",
     "chain_squared_sums",
     "conv_vector_group",
+    "linear_chain",
     "module_chain",
     "rule_budget",
     "rule_chunk",
@@ -129,6 +131,14 @@ def module_chain(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     if len({id(m) for _, m in chain}) != len(chain):
         return None
     return chain
+
+
+def linear_chain(model: nn.Module) -> bool:
+    """Whether ``model`` is a supported chain (:func:`module_chain`) whose only parametrised
+    modules are ``nn.Linear`` (the diagonal then defers its additions, see
+    :func:`chain_squared_sums`'s ``atomic``)."""
+    chain = module_chain(model)
+    return chain is not None and all(type(m) is not nn.Conv2d for _, m in chain)
 
 
 @dataclass
@@ -345,6 +355,7 @@ def chain_squared_sums(
     chunk_size: int | None,
     storage: int,
     row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
+    atomic: bool = False,
 ) -> Tensor | None:
     """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
     linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
@@ -375,6 +386,8 @@ def chain_squared_sums(
     for i in wanted:
         if type(run.chain[i][1]) is nn.Linear and run.acts[i].ndim != 2:
             return None
+    if atomic and any(type(run.chain[i][1]) is not nn.Linear for i in wanted):
+        return None  # deferred additions are for linear layers: the caller sums apart
     if f.ndim != 2 or f.shape[0] != n:
         return None
     if row_cotangents is None:
@@ -396,11 +409,19 @@ def chain_squared_sums(
     sums = sum(n * run.acts[i + 1][0].numel() for i in wanted if type(chain[i][1]) is nn.Linear)
     if chunk_size is not None:
         chunk, cols, buffered, whole_rows = chunk_size, k, True, not rowwise
+        staged = False  # buffered: the additions deferred and checked
         if rowwise and chunk < n:
             fits = rule_chunk(run, model, k, storage, wanted, copies=2, buffers=sums, floor=0)
             whole_rows = fits >= chunk
     else:
-        chunk, cols, buffered, whole_rows = _plan(run, model, k, storage, wanted, rowwise, sums)
+        cost, plan = _plan(run, model, k, storage, wanted, rowwise, sums)
+        if atomic:
+            # no batch temporary, the sums deferred to the end of the batch (buffered), where
+            # that is cheaper than summing the batch apart (the batch's temporary: copies=2)
+            deferred = _plan(run, model, k, storage, wanted, rowwise, sums, 1, True)
+            staged = deferred[0] > cost
+            plan = plan if staged else deferred[1]
+        chunk, cols, buffered, whole_rows = plan
     if rowwise and (whole_rows or chunk >= n):
         # the vectors of the whole batch fit beside the chunks: form them once
         whole = vectors(slice(0, n))
@@ -409,7 +430,14 @@ def chain_squared_sums(
             return whole[rows]
 
     with torch.no_grad():
-        _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered, cols)
+        if atomic and staged:  # summed apart, added once complete and finite
+            views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
+            _accumulate_squares(
+                run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols
+            )
+            _add_staged(views, view)
+        else:
+            _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered, cols, atomic)
     return f
 
 
@@ -429,20 +457,25 @@ def _plan(
     wanted: dict[int, str],
     rowwise: bool,
     sums: int,
-) -> tuple[int, int, bool, bool]:
-    """(samples per chunk, vectors per pass, linear sums buffered per batch, output vectors
-    formed for the whole batch) for :func:`chain_squared_sums` under the memory rule: of the
+    copies: int = 2,
+    buffered_only: bool = False,
+) -> tuple[float, tuple[int, int, bool, bool]]:
+    """(cost, (samples per chunk, vectors per pass, linear sums buffered per batch, output
+    vectors formed for the whole batch)) for :func:`chain_squared_sums` under the memory
+    rule: of the
     settings whose chunks hold at least one sample, the one with the fewest tensor operations
     by the cost model above (more, smaller chunks cost their fixed overheads; the vectors
     formed once or the buffers take budget from the chunks); where none does, one sample
-    per chunk and groups of vectors (:func:`rule_columns`)."""
+    per chunk and groups of vectors (:func:`rule_columns`). ``copies``: storage-sized tensors
+    held (2 with the diagonal's batch temporary); ``buffered_only``: the linear sums always
+    buffered (deferred to the end of the batch)."""
     n = run.acts[0].shape[0]
     linear = sum(type(run.chain[i][1]) is nn.Linear for i in wanted)
     others = len(wanted) - linear
     passes = len(run.chain) - min(wanted)
     best: tuple[float, tuple[int, int, bool, bool]] | None = None
     for whole in (False, True) if rowwise else (True,):
-        for buffers in (0, sums) if sums else (0,):
+        for buffers in (sums,) if buffered_only else (0, sums) if sums else (0,):
             c = rule_chunk(
                 run,
                 model,
@@ -450,7 +483,7 @@ def _plan(
                 storage,
                 wanted,
                 rowwise=not whole,
-                copies=2,
+                copies=copies,
                 buffers=buffers,
                 floor=0,
             )
@@ -465,9 +498,14 @@ def _plan(
             if best is None or cost < best[0]:
                 best = (cost, (min(c, n), k, buffers > 0, whole))
     if best is not None:
-        return best[1]
+        return best
     # one sample with all K vectors exceeds the rule: groups of K' vectors per pass
-    return 1, rule_columns(run, model, k, storage, wanted, rowwise=rowwise, copies=2), False, False
+    buffers = sums if buffered_only else 0
+    cols = rule_columns(
+        run, model, k, storage, wanted, rowwise=rowwise, copies=copies, buffers=buffers
+    )
+    per_chunk = passes * _COST_MODULE + others * _COST_PLAIN + linear * _COST_PLAIN
+    return n * -(-k // cols) * per_chunk + n * _COST_VECTORS, (1, cols, buffered_only, False)
 
 
 def _accumulate_squares(
@@ -479,6 +517,7 @@ def _accumulate_squares(
     chunk: int,
     buffered: bool,
     cols: int | None = None,
+    atomic: bool = False,
 ) -> None:
     """The chunked backward passes of :func:`chain_squared_sums` and their squared sums, in
     groups of ``cols`` output vectors (all K if None; the sums over K add up over groups).
@@ -504,11 +543,79 @@ def _accumulate_squares(
         step = cols or whole.shape[1]
         for c0 in range(0, whole.shape[1], step):
             ut = whole if step >= whole.shape[1] else whole[:, c0 : c0 + step]
-            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered)
+            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, c0 == 0)
             del ut  # the chunk's K-fold tensors, before the per-batch reductions
         del whole
+    if atomic:
+        _add_checked(run, squares, targets, wanted)
+        return
     for i, sq in squares.items():
         _add_linear_squares(targets[i], sq, run.acts[i])
+
+
+def _names(layers: dict[str, list[str]]) -> list[str]:
+    """Parameter names ("module.weight") of ``layers`` (module name -> parameter kinds)."""
+    return [f"{m}.{kind}" if m else kind for m, kinds in layers.items() for kind in kinds]
+
+
+def _add_staged(staged: dict[str, Tensor], view: Callable[[str], Tensor]) -> None:
+    """Add the batch's sums summed apart into ``view(name)`` once all are finite, else raise
+    naming the first parameter that is not (the targets left as they were)."""
+    for name, t in staged.items():
+        if not all_finite(t):
+            _raise_not_finite(name, t)
+    for name, t in staged.items():
+        view(name).add_(t)
+
+
+def _raise_not_finite(name: str, t: Tensor) -> None:
+    module = name.rpartition(".")[0]
+    kind = "NaN" if bool(t.isnan().any()) else "infinite"
+    raise ValueError(
+        f"{kind} Jacobian in parameter {name!r} (module {module or '<root>'!r}, Linear): the "
+        "network is not differentiable at the current parameters (e.g. sqrt or norm at "
+        "zero); curvature cannot be computed"
+    )
+
+
+def _add_checked(
+    run: ChainPass,
+    squares: dict[int, Tensor],
+    targets: dict[int, dict[str, Tensor]],
+    wanted: dict[int, str],
+) -> None:
+    """Add the linear layers' buffered sums only if every addition is finite, else raise and
+    leave the targets as they were. Sums of non-negative products of finite factors are at
+    most N max(s) max(a^2): where that bound (plus the targets' largest entry) is far from
+    the dtype's largest number, they are added directly; otherwise each addition is formed
+    apart and checked first (a layer-sized temporary each, only then)."""
+    n = run.acts[0].shape[0]
+    safe = True
+    for i, sq in squares.items():
+        a = run.acts[i]
+        if not (all_finite(sq) and all_finite(a)):
+            safe = False
+            break
+        top = max(float(t.max()) if t.numel() else 0.0 for t in targets[i].values())
+        bound = n * float(sq.max()) * float(a.abs().max()) ** 2 + top
+        if not bound < torch.finfo(sq.dtype).max / 4:
+            safe = False
+            break
+    if safe:
+        for i, sq in squares.items():
+            _add_linear_squares(targets[i], sq, run.acts[i])
+        return
+    parts = {}
+    for i, sq in squares.items():
+        temps = {key: torch.zeros_like(view) for key, view in targets[i].items()}
+        _add_linear_squares(temps, sq, run.acts[i])
+        for key, t in temps.items():
+            if not all_finite(t):
+                _raise_not_finite(f"{wanted[i]}.{key}" if wanted[i] else key, t)
+        parts[i] = temps
+    for i, temps in parts.items():
+        for key, t in temps.items():
+            targets[i][key].add_(t)
 
 
 def _reduce_chunk(
@@ -520,14 +627,17 @@ def _reduce_chunk(
     linear: set[int],
     squares: dict[int, Tensor],
     buffered: bool,
+    first: bool = True,
 ) -> None:
     """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
-    ``squares``)."""
+    ``squares``, written by the ``first`` group of vectors and added to by the others)."""
     for i, d in backward_chunk(run, ut, list(wanted), rows):
         if i in linear:
-            if buffered:
+            if buffered and first:
                 torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
+            elif buffered:
+                squares[i][rows].add_((d * d).sum(1))
             else:
                 _add_linear_squares(targets[i], (d * d).sum(1), run.acts[i][rows])
             continue

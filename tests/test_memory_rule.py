@@ -58,7 +58,14 @@ def train_step(model: nn.Module, x: Tensor, y: Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize(("structure", "classes", "batch"), [("diag", 100, 32), ("kron", 10, 256)])
+@pytest.mark.parametrize(
+    ("structure", "classes", "batch"),
+    [
+        pytest.param("diag", 100, 32, marks=pytest.mark.slow),  # the benchmark's case, ~3 s
+        ("diag", 100, 8),  # the same regime (one sample's 100 vectors exceed the budget)
+        ("kron", 10, 256),
+    ],
+)
 def test_fit_peak_within_twice_a_training_step_and_storage(
     structure: str, classes: int, batch: int
 ) -> None:

@@ -422,7 +422,7 @@ def test_fit_posthoc_on_frozen_features_gives_the_blr_posterior() -> None:
 
 def test_heads_share_one_gaussian_layer_plumbing() -> None:
     """Every head builds its Gaussian layers with ``VBLLHead.add_gaussian_rows``: the mean is
-    drawn first (``randn(out, in) / sqrt(in)``; G-VBLL's class means ``randn(out, in)``), then
+    drawn first (``randn(out, in) / sqrt(in)``, G-VBLL's class means included), then
     the covariance at ``min(prior_scale, 1 / in)``; a user's head gets ``W()``, the KL against
     ``N(0, prior_scale I)`` and the inverse-Wishart noise prior from the shared pieces."""
     from gaussify.last_layer.base import RegressionHead, WishartNoise
@@ -443,7 +443,7 @@ def test_heads_share_one_gaussian_layer_plumbing() -> None:
         torch.manual_seed(3)
         first = torch.randn(k, d)
         mean = head.mu_mean if cls is last_layer.VBLLGenerative else head.W_mean
-        expected = first if cls is last_layer.VBLLGenerative else first / math.sqrt(d)
+        expected = first / math.sqrt(d)
         assert torch.equal(mean.detach(), expected), cls.__name__
 
     class MyHead(WishartNoise, RegressionHead):

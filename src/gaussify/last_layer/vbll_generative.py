@@ -31,6 +31,13 @@ class VBLLGenerative(WishartNoise, ClassificationHead):
     The paper restricts S_k and Sigma to diagonals for O(D) cost (App. D.2); other
     parameterizations work and cost one O(K D^3) factorisation of ``Sigma + S_k`` per call
     (O(K D r^2) for ``"lowrank"`` with diagonal noise).
+
+    Initialisation: class means ``randn(K, D) / sqrt(D)`` (norm about 1 whatever the width, as
+    the rows of the other heads), ``S_k = min(prior_scale, 1 / D) I``, ``Sigma =
+    init_noise_var I``. The mean's scale matters: with unit-variance means (norm sqrt(D)) the
+    class means sit far from O(1) features, barely move in a short run, and the logits
+    ``-1/2 ||phi - mu_k||^2_{(Sigma + S_k)^-1}`` then differ by O(sqrt(D)) -- an overconfident
+    classifier (docs/vbll.md, "G-VBLL calibration").
     """
 
     def __init__(
@@ -44,9 +51,10 @@ class VBLLGenerative(WishartNoise, ClassificationHead):
         self.set_wishart_prior(wishart_scale, dof)
         self.dirichlet_prior = check_positive(dirichlet_prior, "dirichlet_prior")
         init_noise_var = check_positive(init_noise_var, "init_noise_var")
-        means = torch.randn(out_features, in_features)
+        # class means at the scale of the other heads' rows, ||mu_k|| ~ 1 for any width: a
+        # unit-variance draw puts them sqrt(D) away from O(1) features (issue 19)
         self.add_gaussian_rows(
-            "mu", means, out_features, parameterization, self.prior_scale, cov_rank
+            "mu", self.random_rows(), out_features, parameterization, self.prior_scale, cov_rank
         )
         self.noise_cov = NoiseCovariance(in_features, noise_parameterization, init_noise_var)
         self.register_buffer("class_counts", torch.zeros(out_features))

@@ -328,8 +328,7 @@ def test_groups_of_vectors_equal_all_vectors(
     groups of K' (rule_columns): the sums over K are sums over the groups, so the diagonal
     equals the float64 brute force and KFAC's factors equal those of one pass with all K
     (K' = 2 of K = 4 / 5 forced here, one sample per chunk)."""
-    from gaussify.curvature import batched_backward as bb
-    from gaussify.curvature import kron_grams
+    from gaussify.curvature import chain_diag, kron_grams
 
     net = mlp() if kind == "mlp" else cnn(groups=1)
     x, y = data(kind)
@@ -345,7 +344,7 @@ def test_groups_of_vectors_equal_all_vectors(
         calls.append(args[2])  # K
         return 2
 
-    for module in (bb, kron_grams):
+    for module in (chain_diag, kron_grams):
         monkeypatch.setattr(module, "rule_chunk", no_sample_fits)
         monkeypatch.setattr(module, "rule_columns", two)
     curv = make_curvature(structure, net, "classification", **opts)
@@ -372,7 +371,8 @@ def test_conv_squared_grads_in_groups_of_vectors_equal_the_brute_force(groups: i
     kernel on a 4 x 4 input: 24 outputs, 216 weights per group's block) forms the per-sample
     weight gradients of K' = K out / weight = 1 vector at a time: the squared sums over
     (sample, vector) equal the float64 brute force sum_{n,k} (sum_t d a_t^T)^2."""
-    from gaussify.curvature.batched_backward import _conv_squared_grads, conv_vector_group
+    from gaussify.curvature.batched_backward import conv_vector_group
+    from gaussify.curvature.chain_diag import _conv_squared_grads
     from gaussify.curvature.patches import conv2d_patches, conv_weight_grads
 
     torch.manual_seed(0)

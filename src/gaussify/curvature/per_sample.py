@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature import generic_jacobian
-from gaussify.curvature.batched_backward import chain_squared_sums
+from gaussify.curvature.chain_diag import chain_squared_sums
 from gaussify.curvature.generic_jacobian import (
     SubsetLike,
     _check_finite,

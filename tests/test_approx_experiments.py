@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -380,6 +381,7 @@ def gp_res() -> gpc.GPClassificationResults:
         datasets=["iris"],
         splits=[0, 1],
         methods=["moment-ori", "gauss"],
+        alpha_grid=None,  # the fixed Fig. 3 values (the default selects on ALPHA_GRID)
         default_max_train=45,
         max_test=20,
         num_samples=64,
@@ -416,6 +418,84 @@ def test_gp_records_equal_a_recomputed_fit(gp_res: gpc.GPClassificationResults) 
     assert json.loads(json.dumps(gp_res.to_dict()))["experiment"] == "approx_gp_classification"
 
 
+@pytest.mark.parametrize("selection", ["validation", "train"])
+def test_gp_selects_alpha_on_the_grid_by_held_out_or_training_likelihood(selection: str) -> None:
+    """Every alpha_eps of ALPHA_GRID is fitted; each record keeps, per value, the training and
+    validation log-likelihoods of the MC predictive and the test NLL / error, all equal to a
+    fresh fit sampled with the same generators (training draws: seed 1000 s + 7, validation:
+    + 8, per-value test: + 9), and keeps the value with the best score of ``selection`` (the
+    default: validation)."""
+    kwargs = {} if selection == "validation" else {"selection": "train"}
+    res = gpc.run(
+        datasets=["iris"],
+        splits=[0],
+        methods=["moment"],
+        default_max_train=30,
+        max_test=20,
+        num_samples=16,
+        max_iter=10,
+        **kwargs,
+    )
+    rec = res.records[0]
+    assert res.config["selection"] == selection
+    ds = gs.data.load("iris", seed=0, max_train=30, dtype=torch.float64)
+    gens = [torch.Generator().manual_seed(7 + k) for k in range(3)]
+    expected, lengthscales = {}, {}
+    for alpha in gpc.ALPHA_GRID:
+        gp = GPClassifier("moment", alpha, noise=gpc.GAUSS_NOISE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gp.fit(ds.x_train, ds.y_train, 3, max_iter=10)
+        p_train = gp.predict_proba(ds.x_train, num_samples=16, generator=gens[0])
+        p_val = gp.predict_proba(ds.x_val[:20], num_samples=16, generator=gens[1])
+        p_test = gp.predict_proba(ds.x_test[:20], num_samples=16, generator=gens[2])
+        lengthscales[f"{alpha:g}"] = gp.lengthscale.flatten().tolist()
+        expected[f"{alpha:g}"] = {
+            "train_loglik": -gs.metrics.nll(p_train.clamp_min(1e-12), ds.y_train),
+            "val_loglik": -gs.metrics.nll(p_val.clamp_min(1e-12), ds.y_val[:20]),
+            "test_nll": gs.metrics.nll(p_test.clamp_min(1e-300), ds.y_test[:20]),
+        }
+    assert list(rec["per_alpha"]) == list(expected) == list(rec["train_loglik"])
+    for key, ref in expected.items():
+        for name, value in ref.items():
+            assert rec["per_alpha"][key][name] == pytest.approx(value, rel=1e-10)
+    score = "val_loglik" if selection == "validation" else "train_loglik"
+    assert f"{rec['alpha_eps']:g}" == max(expected, key=lambda k: expected[k][score])
+    chosen = f"{rec['alpha_eps']:g}"
+    assert rec["lengthscale"] == pytest.approx(lengthscales[chosen], rel=1e-10)
+
+
+def test_gp_combine_equals_one_run(gp_res: gpc.GPClassificationResults) -> None:
+    """Runs split by split, combined, equal the run over both splits (records and rows, up to
+    the timings); overlapping records or differing settings are refused."""
+    kwargs = dict(
+        datasets=["iris"],
+        methods=["moment-ori", "gauss"],
+        alpha_grid=None,
+        default_max_train=45,
+        max_test=20,
+        num_samples=64,
+        max_iter=15,
+    )
+    parts = [gpc.run(splits=[s], **kwargs).to_dict() for s in (1, 0)]
+    merged = gpc.combine(parts)
+    whole = gp_res.to_dict()
+    timing = ("fit_s_selected", "fit_s_all", "predict_s", "fit_s")
+
+    def strip(items: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in items]
+
+    assert strip(merged["records"]) == strip(whole["records"])
+    assert strip(merged["rows"]) == strip(whole["rows"])
+    assert merged["config"] == whole["config"]
+    assert merged["cpu_s"] == pytest.approx(parts[0]["cpu_s"] + parts[1]["cpu_s"])
+    with pytest.raises(ValueError, match="appear twice"):
+        gpc.combine([parts[0], parts[0]])
+    other = dict(parts[1], config={**parts[1]["config"], "num_samples": 1})
+    with pytest.raises(ValueError, match=r"differ in \['num_samples'\]"):
+        gpc.combine([parts[0], other])
+
+
 def test_gp_landscape_is_the_lml_on_the_grid() -> None:
     scape = gpc.landscape(
         "iris",
@@ -448,6 +528,8 @@ def test_gp_experiment_bad_input() -> None:
         gpc.run(datasets=["iris"], splits=0)
     with pytest.raises(ValueError, match="alpha_grid"):
         gpc.run(datasets=["iris"], alpha_grid=[0.1, -0.1])
+    with pytest.raises(ValueError, match="selection: expected one of"):
+        gpc.run(datasets=["iris"], selection="test")
 
 
 def test_registered_and_cli(tmp_path) -> None:

@@ -1,6 +1,7 @@
 """Make the figures of ``docs/approx_likelihoods.md`` (Bui, Fig. 1, 4 and App. A in small).
 
     python scripts/make_approx_docs.py            # writes docs/figures/approx_*.png (< 1 min)
+    python scripts/make_approx_docs.py --tables   # prints the docs' result tables from the JSONs
 
 * ``approx_densities.png``: the transformed Gamma (log basis) and Beta (logit basis) densities
   with their Gaussian approximations, as in the paper's Fig. 1;
@@ -9,11 +10,17 @@
 * ``approx_streaming.png``: one pass over the bundled *digits* data through fixed random ReLU
   features, one point at a time: exact last layers under each approximation (Kalman updates),
   ADF and SGD with momentum; test accuracy and log-likelihood against points seen (Fig. 4).
+
+``--tables`` prints, from ``benchmarks/results/experiments_approx_{training,streaming}.json``,
+the Markdown tables of ``docs/approx_likelihoods.md`` that show those results (MNIST at each
+training budget against Table 1; the streaming log-likelihood at the checkpoints), so the
+page's numbers are the committed ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -160,12 +167,85 @@ def streaming(out: Path, num_points: int, features: int) -> dict[str, list[float
     return {k: [v["acc"][-1], v["ll"][-1]] for k, v in curves.items()}
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+#: Bui Table 1, VGG-11 on CIFAR-10: accuracy [%] and NLL
+PAPER_T1 = {
+    "exact": (91.05, 0.360),
+    "gauss": (88.62, 1.598),
+    "moment-ori": (91.33, 0.362),
+    "moment": (89.66, 0.457),
+    "laplace": (89.63, 0.604),
+    "variational": (91.22, 0.366),
+}
+
+
+def _pm(mean: float, sem: float | None, digits: int = 3) -> str:
+    if sem is None or not math.isfinite(sem):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {sem:.{digits}f}"
+
+
+def training_table(path: Path = RESULTS / "experiments_approx_training.json") -> str:
+    """MNIST (log basis): ACC and NLL per method at every training budget in the JSON (training
+    images, epochs, seeds; mean ± s.e. over seeds), beside Table 1's VGG-11 values."""
+    rows = json.loads(path.read_text())["rows"]
+    mnist = [r for r in rows if (r["dataset"], r["basis"]) == ("mnist", "log")]
+    budgets = sorted({(r.get("num_train", 2000), r["epochs"], r["num_seeds"]) for r in mnist})
+    head = "| method (α_ε) | " + " | ".join(
+        f"{t} images × {e} epochs, {n} seeds: ACC | NLL" for t, e, n in budgets
+    )
+    lines = [
+        head + " | paper VGG-11: ACC [%] / NLL |",
+        "|---|" + "---|---|" * len(budgets) + "---|",
+    ]
+    for method in PAPER_T1:
+        cells = []
+        label = method
+        for budget in budgets:
+            r = next(
+                r for r in mnist
+                if r["method"] == method
+                and (r.get("num_train", 2000), r["epochs"], r["num_seeds"]) == budget
+            )  # fmt: skip
+            label = method if r["alpha_eps"] is None else f"{method} {r['alpha_eps']}"
+            cells += [_pm(r["acc_mean"], r["acc_sem"]), _pm(r["nll_mean"], r["nll_sem"])]
+        acc, nll = PAPER_T1[method]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {acc:.2f} / {nll:.3f} |")
+    return "\n".join(lines)
+
+
+def streaming_table(
+    path: Path = RESULTS / "experiments_approx_streaming.json",
+    methods: tuple[str, ...] = ("variational", "moment-ori", "adf", "sgd+m"),
+) -> str:
+    """Mean ± s.e. test log-likelihood per data set, method and checkpoint."""
+    res = json.loads(path.read_text())
+    stops = res["checkpoints"]
+    names = list(res["curves"])
+    head = "| points seen | " + " | ".join(f"{d}: {m}" for d in names for m in methods) + " |"
+    lines = [head, "|---|" + "---|" * (len(names) * len(methods))]
+    for i, n in enumerate(stops):
+        cells = []
+        for d in names:
+            best = max(methods, key=lambda m: res["curves"][d][m]["ll_mean"][i])
+            for m in methods:
+                c = res["curves"][d][m]
+                text = _pm(c["ll_mean"][i], c["ll_sem"][i])
+                cells.append(f"**{text}**" if m == best else text)
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "figures")
     parser.add_argument("--num-points", type=int, default=600)
     parser.add_argument("--features", type=int, default=100)
+    parser.add_argument("--tables", action="store_true", help="print the result tables only")
     args = parser.parse_args()
+    if args.tables:
+        print(training_table(), streaming_table(), sep="\n\n")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     densities(args.out)

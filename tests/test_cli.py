@@ -320,6 +320,7 @@ BAD_EXPERIMENT_VALUE = {
     "function_space_regression": ("--max-train", "0", "a positive integer"),
     "function_space_toy": ("--num-inducing", "0", "a positive integer"),
     "marglik_selection": ("--lr", "0", "a finite number > 0"),
+    "marglik_regression": ("--epochs", "0", "a positive integer"),
     "ngvi_predictive": ("--depth", "-1", "a non-negative integer"),
     "uci_classification": ("--n-jobs", "0", "a positive integer"),
     "vbll_classification": ("--seeds", "0", "a positive integer"),

@@ -226,7 +226,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("SampledLLA._iter_batches", "torch.arange"): (1, ORDER),
     ("SampledLLA._iter_batches", "torch.randperm"): (1, ORDER),
     # function_space/valla_kernel.py
-    ("InducingKernel._inputs_for_kmeans", "torch.randperm"): (1, HOST_OPT),
+    ("InducingKernel._training_sample", "torch.randperm"): (1, HOST_OPT),
     ("InducingKernel._kmeans", ".cpu()"): (1, HOST_OPT),
     ("InducingKernel._kmeans", ".numpy()"): (1, HOST_OPT),
     # last_layer/base.py, vbll_*.py: initial values of head parameters

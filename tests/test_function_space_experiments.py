@@ -203,3 +203,18 @@ def test_committed_toy_valla_nll_at_least_as_good_as_ella() -> None:
         valla, ella = by[("valla", m)], by[("ella", m)]
         for part in ("test", "grid"):
             assert valla[f"nll_{part}"] <= ella[f"nll_{part}"], (m, part)
+
+
+@pytest.mark.slow
+def test_regression_valla_trains_its_whole_budget_unless_patience_is_given() -> None:
+    """The authors' regression script trains VaLLA for its whole budget with no validation
+    set: ``valla_patience=None`` (the default) takes every step of ``valla_epochs`` epochs."""
+    from gaussify.experiments import function_space_regression as reg
+
+    kw = dict(datasets=["power"], methods=["valla"], max_train=600, epochs=1, width=4)
+    full = reg.run(**kw, num_inducing=3, valla_epochs=4)  # type: ignore[arg-type]
+    assert full.config["valla_patience"] is None
+    assert full.records[0]["steps"] == 4 * math.ceil(600 / 256)  # 12 steps
+    early = reg.run(**kw, num_inducing=3, valla_epochs=4, valla_patience=1)  # type: ignore[arg-type]
+    assert early.config["valla_patience"] == 1
+    assert 1 <= early.records[0]["steps"] <= 12  # scored every step, stopped at a worse one

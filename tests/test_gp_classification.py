@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import runpy
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -340,3 +341,124 @@ def test_bad_input_errors() -> None:
         gp.predict(x, num_samples=0)
     with pytest.raises(ValueError, match="NaN"):
         gp.predict(torch.full((2, 2), float("nan"), dtype=DT))
+
+
+# ------------------------------------------------- flat (collapsed) fits, issue 19
+
+
+def _overlapping(n: int = 60, seed: int = 0) -> tuple:
+    """Two Gaussian classes in 2-D whose means are 2 apart along the first axis."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 2
+    x = torch.randn(n, 2, generator=g, dtype=DT)
+    x[:, 0] += 2.0 * y - 1.0
+    return x, y
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.05, 0.2, 1.0])
+def test_moment_pseudo_targets_put_off_class_deviations_inside_the_noise(alpha: float) -> None:
+    """Closed form behind flat ``moment`` fits: with Gamma(alpha) and Gamma(alpha + 1) in the
+    log basis, ``mean_on - mean_off = digamma(alpha + 1) - digamma(alpha) = 1 / alpha`` and
+    ``var_off = trigamma(alpha) = 1 / alpha^2 + trigamma(alpha + 1)``, so an off-class target is
+    within one noise standard deviation of the on-class value: (1/alpha)^2 < var_off."""
+    lik = DirichletGaussian("moment", alpha_eps=alpha)
+    mean, var = lik.pseudo_targets(torch.tensor([0]), 2, dtype=DT)
+    on_m, off_m, on_v, off_v = (
+        float(mean[0, 0]),
+        float(mean[0, 1]),
+        float(var[0, 0]),
+        float(var[0, 1]),
+    )
+    assert on_m - off_m == pytest.approx(1.0 / alpha, rel=1e-12)
+    assert off_v == pytest.approx(1.0 / alpha**2 + on_v, rel=1e-9)  # polygamma round-off
+    assert off_m == pytest.approx(
+        float(torch.special.digamma(torch.tensor(alpha, dtype=DT))), rel=1e-12
+    )
+    assert on_v == pytest.approx(
+        float(torch.special.polygamma(1, torch.tensor(alpha + 1, dtype=DT))), rel=1e-12
+    )
+    assert (on_m - off_m) ** 2 < off_v
+
+
+def test_flat_fit_is_detected_warned_and_is_the_evidence_maximum() -> None:
+    """``moment`` at alpha_eps = 0.05 on overlapping classes: L-BFGS drives the signal variance
+    to ~0 (the fit is flagged in ``result.flat`` with a CollapsedSignalWarning naming the
+    method and alpha_eps), the latent mean is the profiled constant at every test point, and
+    no point of a (log lengthscale, log variance) grid has a higher evidence, so the constant is
+    the maximum and not a stuck optimiser. ``moment-ori`` and ``moment`` at 0.5 are not flat."""
+    x, y = _overlapping()
+    gp = GPClassifier("moment", 0.05)
+    with pytest.warns(gs.warnings.CollapsedSignalWarning, match=r"'moment' at alpha_eps=0.05"):
+        result = gp.fit(x, y, 2)
+    assert result.flat == [0, 1] == gp.flat_functions()
+    assert bool((gp.variance < 1e-6 * gp._targets.var(-1)).all())
+    mu, _ = gp.predict_latent(x[:10] + 0.3)
+    assert torch.allclose(mu, gp.mean.expand(10, 2), atol=1e-6)
+    best = gp.log_marginal_likelihood()
+    with torch.no_grad():
+        for log_ls in (-1.0, 0.0, 1.0, 2.0):
+            for log_var in (-4.0, -1.0, 1.0, 3.0, 5.0):
+                value = gp.log_marginal_likelihood(
+                    torch.full((2, 1), log_ls, dtype=DT), torch.full((2,), log_var, dtype=DT)
+                )
+                assert float(value) < float(best)
+    for method, alpha in (("moment-ori", 0.05), ("moment", 0.5), ("variational", 0.05)):
+        other = GPClassifier(method, alpha)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gs.warnings.CollapsedSignalWarning)
+            assert other.fit(x, y, 2).flat == []
+
+
+@pytest.mark.slow  # 250 Adam steps of two gpytorch models (~5 s alone, more when shared)
+def test_gpytorch_training_finds_no_better_evidence_than_ours() -> None:
+    """External reference: gpytorch's exact GP (fixed-noise Gaussian likelihood on the same
+    pseudo-targets, batch of one GP per class, constant mean, scaled RBF) trained by Adam from
+    a non-flat start (outputscale 10) ends at an evidence no higher than our L-BFGS fit, both
+    for the flat ``moment`` fit (alpha_eps = 0.05: the constant is the maximum) and for
+    ``moment-ori`` (which gpytorch's DirichletClassificationLikelihood implements), where it
+    comes within 1 nat of ours."""
+    gpytorch = pytest.importorskip("gpytorch")
+    x, y = _overlapping()
+    for method in ("moment", "moment-ori"):
+        gp = GPClassifier(method, 0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", gs.warnings.CollapsedSignalWarning)
+            gp.fit(x, y, 2)
+        targets, noise = gp._targets, gp._noise
+        likelihood = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(
+            noise=noise, learn_additional_noise=False
+        ).to(DT)
+        batch = torch.Size((2,))
+
+        class Model(gpytorch.models.ExactGP):
+            def __init__(self, targets, likelihood, batch) -> None:
+                super().__init__(x, targets, likelihood)
+                self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
+                self.covar_module = gpytorch.kernels.ScaleKernel(
+                    gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch
+                )
+
+            def forward(self, inputs):
+                return gpytorch.distributions.MultivariateNormal(
+                    self.mean_module(inputs), self.covar_module(inputs)
+                )
+
+        model = Model(targets, likelihood, batch).to(DT)
+        model.mean_module.constant.data = targets.mean(-1)
+        model.covar_module.outputscale = torch.full((2,), 10.0, dtype=DT)
+        model.train()
+        likelihood.train()
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        with gpytorch.settings.max_cholesky_size(10**6):
+            for _ in range(250):
+                opt.zero_grad()
+                loss = -mll(model(x), targets).sum()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                theirs = float(mll(model(x), targets).sum()) * x.shape[0]
+        ours = float(gp.log_marginal_likelihood())
+        assert theirs <= ours + 1e-6
+        if method == "moment-ori":
+            assert theirs > ours - 1.0

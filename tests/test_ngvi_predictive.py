@@ -72,16 +72,24 @@ def test_linear_gaussian_one_step_is_the_exact_posterior(linear) -> None:
 
 
 def test_linear_laplace_glm_mean_is_the_network_at_the_map(linear) -> None:
-    """Laplace-GGN's GLM predictive mean is f(x; theta*), and theta* (Adam on the linear
-    model, prior 1, noise 0.1) is the closed-form MAP; OGGN's is f(x; mu) = the BLR mean."""
+    """Laplace-GGN's GLM predictive mean is f(x; theta*), and theta* is the closed-form MAP
+    of the hyperparameters the posterior uses (the evidence-selected pair, thesis Sec. 5.1 ->
+    5.2), not of the prior 1 / noise 0.1 the selection started from; OGGN's is f(x; mu) =
+    the BLR mean."""
     ds, _, _ = exp._load("regression")
     grid = linear.grids["regression"]
     la = linear.posteriors["regression"]["Laplace-GGN"]
     with torch.no_grad():
         at_map = la.model(grid)
     assert torch.allclose(linear.on_grid["regression"]["Laplace-GGN"]["glm"].mean, at_map)
-    theta_map, _ = _blr(ds.x_train, ds.y_train, 1.0, 0.1)
+    hyper = linear.hyper["regression"]
+    delta, sigma = hyper["prior_precision"], hyper["sigma_noise"]
+    assert delta is not None and sigma is not None
+    assert float(la.prior_precision) == delta and float(la.sigma_noise) == sigma
+    theta_map, _ = _blr(ds.x_train, ds.y_train, delta, sigma)
     assert (la.theta_star - theta_map).abs().max() < 1e-4
+    start, _ = _blr(ds.x_train, ds.y_train, 1.0, 0.1)
+    assert (la.theta_star - start).abs().max() > 1e-2  # the selection moved the MAP
     oggn = linear.posteriors["regression"]["OGGN"]
     phi = torch.cat([grid, torch.ones(len(grid), 1, dtype=grid.dtype)], dim=1)
     glm = linear.on_grid["regression"]["OGGN"]["glm"].mean[:, 0]
@@ -149,6 +157,27 @@ def test_mlp_records_table_and_json(mlp) -> None:
             assert float(mlp.posteriors[toy][name].prior_precision) == delta
 
 
+def test_seeds_are_aggregated_as_mean_and_standard_error() -> None:
+    """Records hold the mean over seeds, the standard error (ddof 1) and the per-seed values;
+    each seed's values are those of a run with that seed alone, also from a worker process
+    (``jobs``)."""
+    kw = dict(width=3, depth=1, map_epochs=30, steps=2, predictive_samples=10, keep_grid=False)
+    both = exp.run(["regression"], seeds=(0, 1), jobs=2, **kw)
+    single = {s: exp.run(["regression"], seeds=(s,), **kw) for s in (0, 1)}
+    for rec in both.records:
+        key = (rec["method"], rec["predictive"])
+        for field in ("nll_test", "nll_gap"):
+            values = [
+                next(r for r in single[s].records if (r["method"], r["predictive"]) == key)[field]
+                for s in (0, 1)
+            ]
+            assert rec[field + "_seeds"] == values
+            assert rec[field] == pytest.approx(sum(values) / 2, rel=1e-12)
+            assert rec[field + "_se"] == pytest.approx(abs(values[0] - values[1]) / 2, rel=1e-9)
+    assert both.hyper_seeds["regression"] == [single[s].hyper["regression"] for s in (0, 1)]
+    assert single[0].records[0]["nll_test_se"] is None
+
+
 def test_cli_writes_json_and_both_figures(tmp_path, capsys) -> None:
     out = tmp_path / "res.json"
     args = ["--toys", "banana", "--steps", "3", "--map-epochs", "20", "--width", "4"]
@@ -162,7 +191,14 @@ def test_cli_writes_json_and_both_figures(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"toys": ["moons"]}, "toys"), ({"gammas": (0.0,)}, "gammas"), ({"steps": 0}, "steps")],
+    [
+        ({"toys": ["moons"]}, "toys"),
+        ({"gammas": (0.0,)}, "gammas"),
+        ({"steps": 0}, "steps"),
+        ({"seeds": (1, 1)}, "seeds"),
+        ({"seeds": ()}, "seeds"),
+        ({"jobs": 0}, "jobs"),
+    ],
 )
 def test_bad_input(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):

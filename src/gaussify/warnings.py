@@ -10,16 +10,30 @@
 * :class:`FastPathWarning`: the model uses PyTorch's fused attention fast path (or an
   operation without a forward-mode derivative) and gaussify routes its Jacobian passes around
   it (:mod:`gaussify.fastpath`).
+* :class:`CollapsedSignalWarning`: a GP's evidence is maximised by a constant latent function
+  (signal variance numerically 0), so its predictive ignores the inputs.
 """
 
 from __future__ import annotations
 
-__all__ = ["ConvergenceWarning", "EvidenceWarning", "FastPathWarning", "SquashedOutputWarning"]
+__all__ = [
+    "CollapsedSignalWarning",
+    "ConvergenceWarning",
+    "EvidenceWarning",
+    "FastPathWarning",
+    "SquashedOutputWarning",
+]
 
 
 class ConvergenceWarning(UserWarning):
     """An iterative fit (hyperparameter tuning) used its whole step budget without meeting its
     convergence test; the result it returns is the last iterate, not a verified optimum."""
+
+
+class CollapsedSignalWarning(UserWarning):
+    """Type-II maximum likelihood of a GP put (numerically) zero signal variance on a latent
+    function: the evidence is maximised by the constant prior mean, so the posterior ignores
+    the inputs and the predictive is flat (:class:`gaussify.approx_likelihoods.GPClassifier`)."""
 
 
 class SquashedOutputWarning(UserWarning):

@@ -66,9 +66,10 @@ from gaussify.state import (
 )
 from gaussify.tuning import BOUND_DECADES, maximize
 from gaussify.validation import check_count, check_finite
-from gaussify.warnings import ConvergenceWarning
+from gaussify.warnings import CollapsedSignalWarning, ConvergenceWarning
 
 __all__ = [
+    "FLAT_RELATIVE_VARIANCE",
     "GP_LINKS",
     "GPClassifier",
     "GPFitResult",
@@ -83,6 +84,9 @@ MeanMode = Literal["constant", "zero"]
 GPLink = Literal["mc", "probit", "bridge", "mean"]
 GP_LINKS: tuple[str, ...] = ("mc", "probit", "bridge", "mean")
 _LOG_2PI = math.log(2.0 * math.pi)
+#: A latent function is *flat* when its fitted signal variance is below this fraction of the
+#: variance of its pseudo-targets: the evidence is then maximised by the constant mean.
+FLAT_RELATIVE_VARIANCE = 1e-6
 
 
 # ------------------------------------------------------------------------ pure functions
@@ -240,7 +244,10 @@ def latent_predictive(
 class GPFitResult:
     """What :meth:`GPClassifier.fit` found: the total log marginal likelihood ``lml`` and its
     per-class terms, the number of objective evaluations and L-BFGS iterations, the final
-    gradient norm of the (per-point) objective, and the trace of ``-lml / (N C)``."""
+    gradient norm of the (per-point) objective, the trace of ``-lml / (N C)``, and ``flat``:
+    the latent functions whose fitted signal variance fell below
+    :data:`FLAT_RELATIVE_VARIANCE` times the variance of their pseudo-targets (their posterior
+    is the constant mean ``m_c``: :meth:`GPClassifier.flat_functions`)."""
 
     lml: float
     lml_per_class: list[float]
@@ -249,6 +256,7 @@ class GPFitResult:
     grad_norm: float
     converged: bool
     trace: list[float] = field(default_factory=list)
+    flat: list[int] = field(default_factory=list)
 
 
 def _check_x(x: object, name: str = "x", dim: int | None = None) -> Tensor:
@@ -544,6 +552,9 @@ class GPClassifier(DeclaredCapabilities):
         self.log_variance = log_var.clone()
         self._factorise()
         per_class = self.log_marginal_likelihood(per_class=True).detach()
+        flat = self.flat_functions()
+        if enabled and flat:
+            self._warn_flat(flat)
         return GPFitResult(
             lml=float(per_class.sum()),
             lml_per_class=[float(v) for v in per_class],
@@ -552,6 +563,41 @@ class GPClassifier(DeclaredCapabilities):
             grad_norm=grad_norm,
             converged=converged if enabled else grad_norm <= tolerance_grad,
             trace=trace[:evaluations],
+            flat=flat,
+        )
+
+    def flat_functions(self) -> list[int]:
+        """Indices of the latent functions whose signal variance ``s_c`` is below
+        :data:`FLAT_RELATIVE_VARIANCE` times the variance of their pseudo-targets ``y~_c``.
+
+        Such a function has the posterior mean ``m_c`` (the profiled constant) and variance
+        ``s_c`` everywhere up to that fraction: its predictive ignores the inputs. This is what
+        type-II maximum likelihood finds when the constant explains the pseudo-targets as
+        noise, e.g. ``moment`` with ``alpha_eps`` well below 0.1: the off-class targets
+        ``digamma(alpha_eps)`` deviate from the on-class ones by about ``1 / alpha_eps`` while
+        their noise is ``trigamma(alpha_eps) ~ 1 / alpha_eps^2 + pi^2 / 6``, so each deviation
+        is within one noise standard deviation."""
+        targets = self._require(self._targets, "flat_functions")
+        spread = targets.var(-1)
+        var = self.variance.expand(targets.shape[0])
+        return [int(c) for c in torch.nonzero(var < FLAT_RELATIVE_VARIANCE * spread).flatten()]
+
+    def _warn_flat(self, flat: list[int]) -> None:
+        targets = self._require(self._targets, "fit")
+        noise = self._require(self._noise, "fit")
+        c = flat[0]
+        shown = ", ".join(str(i) for i in flat[:8]) + (", ..." if len(flat) > 8 else "")
+        warnings.warn(
+            f"GPClassifier.fit: the evidence is maximised by a constant latent function for "
+            f"{len(flat)} of {targets.shape[0]} latent functions ({shown}): signal variance "
+            f"{float(self.variance.expand(targets.shape[0])[c]):.3g} against a pseudo-target "
+            f"variance of {float(targets[c].var()):.3g} (noise {float(noise[c].min()):.3g} to "
+            f"{float(noise[c].max()):.3g}), so their predictive ignores the inputs. The "
+            f"pseudo-noise of method {self.method!r} at alpha_eps={self.likelihood.alpha_eps} "
+            "explains the labels; select alpha_eps on the training likelihood (larger values "
+            "for 'moment' / 'laplace'), or use 'moment-ori' / 'variational'",
+            CollapsedSignalWarning,
+            stacklevel=4,
         )
 
     # -- prediction -----------------------------------------------------------------

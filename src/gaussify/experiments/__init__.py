@@ -7,6 +7,8 @@ gaussify.experiments.<name>`` runs cleanly.
 
 * ``uci_classification``: Immer, Korzepa & Bauer (2021), Table 1 (App. B.3 protocol).
 * ``marglik_selection``: Immer thesis Sec. 5.1 (Fig. 5.3), evidence vs prior and width.
+* ``marglik_regression``: Immer thesis Sec. 5.1 (Fig. 5.2), evidence over prior precision and
+  noise on the 1-D regression toy with a gap.
 * ``vbll_uci``, ``vbll_classification``: Harrison et al. (VBLL), Table 2 and image sets.
 * ``approx_training``, ``approx_streaming``, ``approx_active``: Bui, Tables 1/2/4, Fig. 4 and
   Fig. 5 (Gaussian likelihood approximations: training losses, streaming, active learning).
@@ -25,6 +27,7 @@ from types import ModuleType
 EXPERIMENTS: tuple[str, ...] = (
     "uci_classification",
     "marglik_selection",
+    "marglik_regression",
     "vbll_uci",
     "vbll_classification",
     "approx_training",

@@ -5,28 +5,38 @@ Gaussian posteriors of Ch. 3-4 -- Laplace-GGN at the MAP and the three natural-g
 variants (:mod:`gaussify.weight_space.ngvi`) -- each predicted in two ways: by sampling
 networks theta ~ q ("NN sampling") and by the GLM predictive, the network linearised at its
 linearisation point theta_lin with f_* ~ N(f(x_*; theta_lin) + J_*(mu - theta_lin),
-J_* Sigma J_*^T) (Sec. 4.6). Protocol here (one run, seed ``seed``):
+J_* Sigma J_*^T) (Sec. 4.6). Protocol here (each of ``seeds``; the seed sets the network
+initialisation and every random draw of the methods, never the data):
 
-* data: the bundled ``valla_toy`` (y = sin(4x) + N(0, 0.1^2); training inputs in
-  (-1, -0.5) U (0.5, 1); validation = the gap, test = the extrapolation region |x| > 1) and
-  ``banana`` (binary; its training and test splits);
-* network: a 2 x 20 tanh MLP in float64 (``depth`` hidden layers of ``width`` units; depth 0
-  is the linear model f = W x + b, for which every method's Gaussian is exact Bayesian linear
-  regression: Thm 4.1);
-* Laplace-GGN: the MAP by ``map_epochs`` full-batch Adam steps (prior precision 1, noise 0.1
-  for regression), a full-GGN Laplace posterior, then the prior precision (and for regression
-  the noise) by the Laplace marginal likelihood (``optimize_prior``); these hyperparameters
-  are shared by all methods;
+* data: the thesis's regression toy as far as stated (:mod:`._gap_toy`: y = sin(4x) +
+  N(0, 0.09), 150 training inputs on [-2, 2] without the gap (-0.5, 0.5), 1000 test inputs on
+  the whole range, 200 more in the gap reported on their own) and ``banana`` (binary; its
+  training and test splits; the thesis uses two moons);
+* network: a 2 x 20 tanh MLP in float64 (``depth`` hidden layers of ``width`` units; the
+  thesis's is 5 x 25; depth 0 is the linear model f = W x + b, for which every method's
+  Gaussian is exact Bayesian linear regression: Thm 4.1);
+* hyperparameters (thesis Sec. 5.1 -> 5.2: the evidence-selected pair, and the MAP of that
+  pair): the MAP by ``map_epochs`` full-batch Adam steps at prior precision 1 (noise 0.1 for
+  regression), the prior precision (and noise) by the full-GGN Laplace evidence
+  (``optimize_prior``), then the MAP retrained from the same initialisation at the selected
+  pair; the Laplace-GGN posterior is fitted at that MAP with that pair, and all methods share
+  the pair;
 * VOGGN, LGVA, OGGN: from the same random initialisation, Sigma_0 = 0.1 I
-  (``init_precision=10``, as in the thesis), full structure, full-batch steps, S samples per
-  step (``num_samples``), ``steps`` steps with gamma taking the values of ``gammas`` for equal
-  shares of the steps (default 0.1 -> 0.03 -> 0.01: with few samples a constant gamma leaves
-  the mean of the sampling variants diffusing along directions only the prior constrains).
+  (``init_precision=10``), full structure, full-batch steps, S samples per step
+  (``num_samples``), ``steps`` steps with gamma taking the values of ``gammas`` for equal
+  shares of the steps. The thesis's S = 1 and 1000 predictive samples are the defaults; its
+  "step size beta = 0.999" is not: read as gamma (precision *and* mean step) it makes every
+  step an undamped Gauss-Newton step, and OGGN's mean then oscillates without converging on
+  this toy (training log-likelihood per point jumping between -2.3 and -16.7 over 60 steps,
+  where gamma = 0.3 settles at -0.28 within 15; docs/ngvi.md), while the thesis trains "until
+  convergence". The default schedule 0.3 -> 0.1 -> 0.03 over 200 steps converges
+  (``gammas=(0.999,)`` gives the literal reading).
 
-Reported per toy, method and predictive: the test NLL, and the NLL in the gap (regression) or
-the test accuracy (banana). :func:`plot` draws one figure per toy: predictive mean, +-2 std
-and three joint function samples (regression), or p(y = 1) (banana), NN sampling in the top
-row and GLM in the bottom row.
+Reported per toy, method and predictive: the mean over seeds and its standard error of the test
+NLL, and of the NLL in the gap (regression) or the test accuracy (banana). :func:`plot` draws
+one figure per toy for the first seed: predictive mean, +-2 std and three joint function
+samples (regression), or p(y = 1) (banana), NN sampling in the top row and GLM in the bottom
+row.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +52,9 @@ import torch
 from torch import Tensor, nn
 
 import gaussify as gs
-from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_int
+from gaussify.cli_args import ArgumentParser, nonnegative_int, positive_float, positive_int
 from gaussify.curvature.jacobian import jacobians
+from gaussify.experiments._gap_toy import gap_toy
 from gaussify.experiments._report import (
     add_output_arguments,
     add_progress_argument,
@@ -51,7 +62,7 @@ from gaussify.experiments._report import (
     report,
     run_main,
 )
-from gaussify.experiments._runner import tanh_mlp
+from gaussify.experiments._runner import fmt, mean_se, tanh_mlp
 from gaussify.predictive import Predictive
 from gaussify.weight_space.ngvi import LGVA, OGGN, VOGGN
 
@@ -73,7 +84,7 @@ METHODS: tuple[str, ...] = ("Laplace-GGN", "VOGGN", "LGVA", "OGGN")
 PREDICTIVES: tuple[str, ...] = ("nn", "glm")
 PREDICTIVE_LABELS: dict[str, str] = {"nn": "NN sampling", "glm": "GLM"}
 TOY_LABELS: dict[str, str] = {
-    "regression": "regression (gap / extrapolation)",
+    "regression": "regression (gap toy)",
     "banana": "banana",
 }
 #: likelihood of each toy and the noise the MAP is trained with
@@ -92,12 +103,13 @@ class Config:
     depth: int = 2
     map_epochs: int = 2000
     map_lr: float = 1e-2
-    steps: int = 600
-    gammas: list[float] = field(default_factory=lambda: [0.1, 0.03, 0.01])
-    num_samples: int = 4
+    steps: int = 200
+    gammas: list[float] = field(default_factory=lambda: [0.3, 0.1, 0.03])
+    num_samples: int = 1
     antithetic: bool = False
     init_precision: float = 10.0
-    predictive_samples: int = 500
+    predictive_samples: int = 1000
+    seeds: list[int] = field(default_factory=lambda: [0])
     seed: int = 0
     regression_grid: int = 300
     banana_grid: int = 60
@@ -119,25 +131,37 @@ def _schedule(steps: int, gammas: Sequence[float]) -> list[tuple[float, int]]:
     return [(float(g), c) for g, c in zip(gammas, counts, strict=True) if c > 0]
 
 
+def _map(x: Tensor, y: Tensor, likelihood: str, cfg: Config, delta: float, sigma: float):
+    """The MAP for prior precision ``delta`` and noise ``sigma`` (full-batch Adam from the
+    seed's initialisation)."""
+    model = make_model(x.shape[1], cfg.width, cfg.depth, cfg.seed)
+    gs.train_map(
+        model, (x, y), likelihood, prior_precision=delta, epochs=cfg.map_epochs, lr=cfg.map_lr,
+        sigma_noise=sigma, batch_size=len(y), seed=cfg.seed,
+    )  # fmt: skip
+    return model
+
+
 def fit_posteriors(
     x: Tensor, y: Tensor, likelihood: str, cfg: Config
 ) -> tuple[dict[str, Any], dict[str, float | None]]:
     """The four posteriors of Sec. 5.2 on ``(x, y)`` and the hyperparameters they share.
 
-    Laplace-GGN: MAP (full-batch Adam, prior precision 1), full GGN, then prior precision and
-    (regression) noise by the marginal likelihood. VOGGN / LGVA / OGGN: full structure from
-    the same initialisation as the MAP with Lambda_0 = ``init_precision`` I, ``steps``
-    full-batch steps under the gamma schedule."""
+    Hyperparameters: MAP at prior precision 1 (noise 0.1), then prior precision and
+    (regression) noise by the full-GGN Laplace marginal likelihood. Laplace-GGN: the MAP
+    retrained at the selected pair and a full-GGN posterior there with that pair (the thesis
+    fits the Laplace-GGN at the MAP of the selected hyperparameters). VOGGN / LGVA / OGGN:
+    full structure from the same initialisation as the MAP with Lambda_0 = ``init_precision``
+    I, ``steps`` full-batch steps under the gamma schedule."""
     regression = likelihood == "regression"
     sigma = _LIKELIHOODS["regression"][1] if regression else 1.0
-    model = make_model(x.shape[1], cfg.width, cfg.depth, cfg.seed)
-    gs.train_map(
-        model, (x, y), likelihood, prior_precision=1.0, epochs=cfg.map_epochs, lr=cfg.map_lr,
-        sigma_noise=sigma, batch_size=len(y), seed=cfg.seed,
-    )  # fmt: skip
-    la = gs.Laplace(model, likelihood, "full", prior_precision=1.0, sigma_noise=sigma)
-    la.fit((x, y)).optimize_prior()
-    delta, sigma = float(la.prior_precision), float(la.sigma_noise)
+    model = _map(x, y, likelihood, cfg, 1.0, sigma)
+    selection = gs.Laplace(model, likelihood, "full", prior_precision=1.0, sigma_noise=sigma)
+    selection.fit((x, y)).optimize_prior()
+    delta, sigma = float(selection.prior_precision), float(selection.sigma_noise)
+    model = _map(x, y, likelihood, cfg, delta, sigma)
+    la = gs.Laplace(model, likelihood, "full", prior_precision=delta, sigma_noise=sigma)
+    la.fit((x, y))
     posts: dict[str, Any] = {"Laplace-GGN": la}
     for cls in (VOGGN, LGVA, OGGN):
         vi = cls(
@@ -179,15 +203,16 @@ def function_samples(post: Any, x: Tensor, method: str, pred: Predictive, num: i
 
 def _load(toy: str) -> tuple[Any, Tensor, Tensor]:
     """The data set, its training targets in the likelihood's shape and its test targets."""
-    ds = gs.data.load("valla_toy" if toy == "regression" else "banana", seed=0, dtype=torch.float64)
     if toy == "regression":
-        return ds, ds.y_train, ds.y_test
+        toy_data = gap_toy(seed=0)
+        return toy_data, toy_data.y_train, toy_data.y_test
+    ds = gs.data.load("banana", seed=0, dtype=torch.float64)
     return ds, ds.y_train.to(torch.float64).unsqueeze(-1), ds.y_test.to(torch.float64)
 
 
 def _grid(toy: str, cfg: Config) -> Tensor:
     if toy == "regression":
-        return torch.linspace(-3.5, 3.5, cfg.regression_grid, dtype=torch.float64).unsqueeze(-1)
+        return torch.linspace(-3.0, 3.0, cfg.regression_grid, dtype=torch.float64).unsqueeze(-1)
     lin = torch.linspace(-3.0, 3.0, cfg.banana_grid, dtype=torch.float64)
     g1, g2 = torch.meshgrid(lin, lin, indexing="xy")
     return torch.stack([g1.reshape(-1), g2.reshape(-1)], dim=-1)
@@ -197,18 +222,21 @@ def _grid(toy: str, cfg: Config) -> Tensor:
 class PredictiveResults:
     """Results of :func:`run`.
 
-    ``records``: one per toy, method and predictive with ``nll_test`` and ``nll_gap``
-    (regression) or ``accuracy`` (banana); ``hyper``: per toy the marginal-likelihood prior
-    precision and noise shared by all methods; ``elbo``: per toy and NGVI method, the final
-    training log-likelihood per example the steps saw. Not serialised: ``posteriors`` (toy ->
-    method -> fitted object), ``grids`` (toy -> inputs) and ``on_grid`` (toy -> method ->
-    predictive -> :class:`~gaussify.predictive.Predictive` on the grid), for :func:`plot`."""
+    ``records``: one per toy, method and predictive with the mean over seeds of ``nll_test``
+    and ``nll_gap`` (regression) or ``accuracy`` (banana), each with its standard error
+    (``*_se``, ddof 1; null for one seed) and its per-seed values (``*_seeds``); ``hyper``:
+    per toy the marginal-likelihood prior precision and noise shared by all methods, the
+    first seed's, and ``hyper_seeds`` (toy -> one pair per seed). Not serialised (first seed
+    only): ``posteriors`` (toy -> method -> fitted object), ``grids`` (toy -> inputs) and
+    ``on_grid`` (toy -> method -> predictive -> :class:`~gaussify.predictive.Predictive` on
+    the grid), for :func:`plot`."""
 
     config: dict[str, Any]
     records: list[dict[str, Any]]
     hyper: dict[str, dict[str, float | None]]
     notes: list[str]
     runtime_s: float
+    hyper_seeds: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
     posteriors: dict[str, dict[str, Any]] = field(default_factory=dict)
     grids: dict[str, Tensor] = field(default_factory=dict)
     on_grid: dict[str, dict[str, dict[str, Predictive]]] = field(default_factory=dict)
@@ -221,22 +249,24 @@ class PredictiveResults:
             "config": self.config,
             "runtime_s": self.runtime_s,
             "hyper": self.hyper,
+            "hyper_seeds": self.hyper_seeds,
             "notes": self.notes,
             "records": self.records,
         }
 
     def table(self) -> str:
         """Markdown: test NLL and gap NLL (regression) or accuracy (banana) per toy, method
-        and predictive."""
+        and predictive (mean ± standard error over seeds)."""
         lines = [
             "| data | method | predictive | test NLL | gap NLL / accuracy |",
             "|---|---|---|---|---|",
         ]
         for r in self.records:
-            extra = r["nll_gap"] if r["toy"] == "regression" else r["accuracy"]
+            key = "nll_gap" if r["toy"] == "regression" else "accuracy"
             lines.append(
                 f"| {TOY_LABELS[r['toy']]} | {r['method']} | "
-                f"{PREDICTIVE_LABELS[r['predictive']]} | {r['nll_test']:.3f} | {extra:.3f} |"
+                f"{PREDICTIVE_LABELS[r['predictive']]} | {fmt(r['nll_test'], r['nll_test_se'])} "
+                f"| {fmt(r[key], r[key + '_se'])} |"
             )
         return "\n".join(lines)
 
@@ -256,27 +286,85 @@ def _evaluate(
     return rec
 
 
+def _seed_run(toy: str, cfg: Config, keep_grid: bool) -> tuple[Any, ...]:
+    """One seed (``cfg.seed``) of one toy: the shared hyperparameters, the records per
+    (method, predictive), and for ``keep_grid`` the posteriors and their grid predictives."""
+    ds, y_train, y_test = _load(toy)
+    posts, hyper = fit_posteriors(ds.x_train, y_train, _LIKELIHOODS[toy][0], cfg)
+    recs = {
+        (name, method): _evaluate(toy, posts[name], ds, y_test, method, cfg)
+        for name in METHODS
+        for method in PREDICTIVES
+    }
+    if not keep_grid:
+        return hyper, recs, None, None
+    grid = _grid(toy, cfg)
+    on_grid = {name: {m: _predict(posts[name], grid, m, cfg) for m in PREDICTIVES}
+               for name in METHODS}  # fmt: skip
+    return hyper, recs, posts, on_grid
+
+
+def _collect(
+    res: PredictiveResults,
+    toys: Sequence[str],
+    seeds: list[int],
+    cfg: Config,
+    futures: dict[tuple[str, int], Any],
+    keep_grid: bool,
+    bar: Any,
+) -> None:
+    """Fill ``res`` seed by seed: the first seed (and every seed without a worker future) runs
+    here, the others are read from ``futures``; records aggregate the seeds."""
+    for toy in toys:
+        per_seed: dict[tuple[str, str], list[dict[str, float]]] = {}
+        res.hyper_seeds[toy] = []
+        for seed in seeds:
+            if (toy, seed) not in futures:
+                out = _seed_run(toy, replace(cfg, seed=seed), keep_grid and seed == seeds[0])
+            else:
+                out = futures[(toy, seed)].result()
+            hyper, recs, posts, on_grid = out
+            res.hyper_seeds[toy].append(hyper)
+            for key, rec in recs.items():
+                per_seed.setdefault(key, []).append(rec)
+            if seed == seeds[0]:
+                res.hyper[toy], res.posteriors[toy] = hyper, posts
+                if keep_grid:
+                    res.grids[toy], res.on_grid[toy] = _grid(toy, cfg), on_grid
+            if bar is not None:
+                bar.update()
+        for (name, method), recs in per_seed.items():
+            row: dict[str, Any] = {"toy": toy, "method": name, "predictive": method}
+            for key in recs[0]:
+                values = [r[key] for r in recs]
+                row[key], row[key + "_se"] = mean_se(values, single=None)
+                row[key + "_seeds"] = values
+            res.records.append(row)
+
+
 def run(
     toys: Sequence[str] = TOYS,
     *,
     width: int = 20,
     depth: int = 2,
     map_epochs: int = 2000,
-    steps: int = 600,
-    gammas: Sequence[float] = (0.1, 0.03, 0.01),
-    num_samples: int = 4,
+    steps: int = 200,
+    gammas: Sequence[float] = (0.3, 0.1, 0.03),
+    num_samples: int = 1,
     antithetic: bool = False,
     init_precision: float = 10.0,
-    predictive_samples: int = 500,
-    seed: int = 0,
+    predictive_samples: int = 1000,
+    seeds: Sequence[int] = (0,),
     grid_points: tuple[int, int] = (300, 60),
     progress: bool = False,
     keep_grid: bool = True,
+    jobs: int = 1,
 ) -> PredictiveResults:
-    """Run the Sec. 5.2 comparison (protocol in the module docstring) on ``toys`` and return
-    the results. ``grid_points``: inputs of the regression plot and points per axis of the
-    banana plot; ``keep_grid=False`` skips the grid predictives (no :func:`plot`).
-    Deterministic given the arguments."""
+    """Run the Sec. 5.2 comparison (protocol in the module docstring) on ``toys`` for each
+    of ``seeds`` and return the results. ``grid_points``: inputs of the regression plot and
+    points per axis of the banana plot; ``keep_grid=False`` skips the grid predictives (no
+    :func:`plot`); ``jobs`` > 1 runs the other seeds in that many - 1 forked worker processes
+    (the same numbers). Deterministic given the arguments."""
     bad = [t for t in toys if t not in TOYS]
     if bad or not toys:
         raise ValueError(f"toys: expected a non-empty subset of {TOYS}, got {list(toys)}")
@@ -284,41 +372,47 @@ def run(
         raise ValueError(
             f"steps, gammas: need steps >= 1 and gammas in (0, 1], got {steps}, {gammas}"
         )
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs: expected an integer >= 1, got {jobs!r}")
+    seeds = [int(s) for s in seeds]
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds: expected distinct non-negative integers, got {seeds}")
     cfg = Config(
         toys=list(toys), width=width, depth=depth, map_epochs=map_epochs, steps=steps,
         gammas=[float(g) for g in gammas], num_samples=num_samples, antithetic=antithetic,
-        init_precision=init_precision, predictive_samples=predictive_samples, seed=seed,
-        regression_grid=grid_points[0], banana_grid=grid_points[1],
+        init_precision=init_precision, predictive_samples=predictive_samples, seeds=seeds,
+        seed=seeds[0], regression_grid=grid_points[0], banana_grid=grid_points[1],
     )  # fmt: skip
     start = time.perf_counter()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(toys), desc="NGVI predictive", unit="toy")
+        bar = tqdm(total=len(toys) * len(seeds), desc="NGVI predictive", unit="run")
     res = PredictiveResults(config=asdict(cfg), records=[], hyper={}, notes=[], runtime_s=0.0)
-    for toy in toys:
-        ds, y_train, y_test = _load(toy)
-        posts, res.hyper[toy] = fit_posteriors(ds.x_train, y_train, _LIKELIHOODS[toy][0], cfg)
-        res.posteriors[toy] = posts
-        for name in METHODS:
-            for method in PREDICTIVES:
-                rec = _evaluate(toy, posts[name], ds, y_test, method, cfg)
-                res.records.append({"toy": toy, "method": name, "predictive": method, **rec})
-        if keep_grid:
-            grid = _grid(toy, cfg)
-            res.grids[toy] = grid
-            res.on_grid[toy] = {
-                name: {m: _predict(posts[name], grid, m, cfg) for m in PREDICTIVES}
-                for name in METHODS
-            }
-        if bar is not None:
-            bar.update()
+    tasks = [(toy, seed) for toy in toys for seed in seeds[1:]]
+    pool = None
+    futures: dict[tuple[str, int], Any] = {}
+    if jobs > 1 and tasks:
+        import concurrent.futures
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(
+            min(jobs - 1, len(tasks)), mp_context=multiprocessing.get_context("fork")
+        )
+        futures = {task: pool.submit(_seed_run, task[0], replace(cfg, seed=task[1]), False)
+                   for task in tasks}  # fmt: skip
+    try:
+        _collect(res, toys, seeds, cfg, futures, keep_grid, bar)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     if bar is not None:
         bar.close()
     res.notes = [
-        f"{cfg.depth} x {cfg.width} tanh MLP, one seed ({cfg.seed}); hyperparameters by the "
-        "Laplace marginal likelihood at the MAP, shared by all methods.",
+        f"{cfg.depth} x {cfg.width} tanh MLP, seeds {seeds} (mean ± standard error); "
+        "hyperparameters by the Laplace marginal likelihood at the MAP, the MAP retrained at "
+        "them, shared by all methods.",
         f"NGVI: full structure, full batches, S = {cfg.num_samples}"
         + (" (antithetic)" if cfg.antithetic else "")
         + f", Sigma_0 = {1 / cfg.init_precision:g} I, {cfg.steps} steps, gamma "
@@ -412,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         "NN-sampling and GLM predictives on a 1-D regression toy and banana.",
     )
     parser.add_argument("--toys", nargs="+", default=list(TOYS), choices=TOYS)
-    parser.add_argument("--steps", type=positive_int, default=600, help="NGVI steps (600)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="NGVI steps (200)")
     parser.add_argument(
         "--map-epochs", type=positive_int, default=2000, help="MAP Adam steps (2000)"
     )
@@ -420,8 +514,19 @@ def main(argv: list[str] | None = None) -> int:
         "--width", type=positive_int, default=20, help="hidden units per layer (20)"
     )
     parser.add_argument("--depth", type=nonnegative_int, default=2, help="hidden layers (2)")
-    parser.add_argument("--num-samples", type=positive_int, default=4, help="S per NGVI step (4)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0)
+    parser.add_argument("--num-samples", type=positive_int, default=1, help="S per NGVI step (1)")
+    parser.add_argument(
+        "--gammas",
+        type=positive_float,
+        nargs="+",
+        default=[0.3, 0.1, 0.03],
+        help="step sizes for equal shares of the steps (0.3 0.1 0.03)",
+    )
+    parser.add_argument(
+        "--predictive-samples", type=positive_int, default=1000, help="NN-sampling draws (1000)"
+    )
+    parser.add_argument("--seeds", type=nonnegative_int, nargs="+", default=[0], help="seeds (0)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="worker processes (1)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (1)")
     add_progress_argument(parser)
     add_output_arguments(parser, "folder for ngvi_regression.png and ngvi_banana.png")
@@ -430,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     res = run(
         args.toys, width=args.width, depth=args.depth, map_epochs=args.map_epochs,
-        steps=args.steps, num_samples=args.num_samples, seed=args.seed,
+        steps=args.steps, num_samples=args.num_samples, gammas=args.gammas,
+        predictive_samples=args.predictive_samples, seeds=args.seeds, jobs=args.jobs,
         progress=args.progress, keep_grid=args.figure is not None,
     )  # fmt: skip
     title = "Thesis Sec. 5.2: test NLL and gap NLL (regression) / accuracy (banana)"

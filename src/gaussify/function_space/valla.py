@@ -5,7 +5,8 @@ m(x) = f(x; theta*) - J(x) theta* and kernel k(x, x') = J(x) P0^-1 J(x')^T (C x 
 diagonal prior precision. VaLLA approximates its posterior with a *decoupled* sparse GP (Cheng &
 Boots 2017; VaLLA eq. 13-17): the mean basis is anchored so that the predictive mean is the
 network output f(x; theta*) exactly (Prop. 1), and only the covariance uses M inducing inputs Z,
-whose outputs u = f(Z) (M C values) carry q(u) = N(., S_u):
+whose D inducing values u carry q(u) = N(., S_u): all outputs f(Z) (D = M C), or, for
+classification by default (the authors' code), pairs u_m = f_{c_m}(z_m) (D = M, O(M^3)):
 
     mean(x)     = f(x; theta*)
     Sigma(x, x') = k(x, x') - k_xZ K_ZZ^-1 (K_ZZ - S_u) K_ZZ^-1 k_Zx'.          (VaLLA eq. 17)
@@ -18,7 +19,7 @@ P0^-1 J_Z^T K_ZZ^-1 (K_ZZ - S_u) K_ZZ^-1 J_Z P0^-1, and the KL divergence to the
 splits into the covariance part and the RKHS norm of the anchored mean (VaLLA eq. 15):
 
     KL = KL(N(0, S_u) || N(0, K_ZZ)) + 1/2 theta*^T P0 theta*
-       = 1/2 [tr S_v - M C - log det S_v] + 1/2 theta*^T P0 theta*.
+       = 1/2 [tr S_v - D - log det S_v] + 1/2 theta*^T P0 theta*.
 
 The objective is VaLLA eq. (20)-(21), the alpha-divergence energy (Li & Gal 2017) on a minibatch
 B of the N training points,
@@ -89,6 +90,7 @@ Expectation = Literal["auto", "closed_form", "probit", "mc"]
 Method = Literal["sgd", "closed_form"]
 Init = Literal["prior", "closed_form"]
 KernelRoute = Literal["jacobian", "ntk"]
+InducingClasses = Literal["auto", "all", "cycle", "label"]
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -99,8 +101,12 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
 
     ``likelihood``: "regression", "classification", "binary" or a likelihood object.
     ``num_inducing``: M (K-means centres of the training inputs), or None with
-    ``inducing_points (M, ...)`` given. ``prior_precision``: scalar, per parameter tensor or
-    per parameter; its granularity is kept when it is learned (``learn_prior``).
+    ``inducing_points (M, ...)`` given. ``inducing_classes``: which outputs are inducing
+    values: "all" (all C outputs at each input, M C values, O((M C)^3)); one class per input,
+    pairs (z_m, c_m) with value f_{c_m}(z_m) (M values, O(M^3); the authors' design): "label"
+    (the label of the training input nearest z_m), "cycle" (m mod C) or a tensor (M,);
+    "auto": "label" for multi-class classification, else "all". ``prior_precision``: scalar,
+    per parameter tensor or per parameter; its granularity is kept when learned (``learn_prior``).
     ``sigma_noise``: Gaussian noise (learned with ``learn_noise``). ``alpha``: the divergence
     parameter of eq. (20) (1: the paper; 0: the ELBO). ``mean_kl``: add the anchored mean's
     1/2 theta*^T P0 theta* to the KL (off: the paper's objective). ``learn_inducing``: move Z
@@ -145,6 +151,7 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         alpha: float = 1.0,
         mean_kl: bool = False,
         inducing_points: Tensor | None = None,
+        inducing_classes: InducingClasses | Tensor = "auto",
         learn_inducing: bool = False,
         learn_prior: bool = True,
         learn_noise: bool = False,
@@ -228,6 +235,15 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         self.learn_prior, self.learn_noise = learn_prior, learn_noise
         self.num_inducing = num_inducing if inducing_points is None else inducing_points.shape[0]
         self._given_inducing = inducing_points
+        if not isinstance(inducing_classes, Tensor) and inducing_classes not in (
+            "auto", "all", "cycle", "label",
+        ):  # fmt: skip
+            raise ValueError(
+                "inducing_classes: expected 'auto', 'all', 'cycle', 'label' or a tensor of "
+                f"classes, got {inducing_classes!r}"
+            )
+        self._classes_spec = inducing_classes
+        self._rows: Tensor | None = None
         self.learn_inducing = learn_inducing
         self.alpha = float(alpha)
         if not isinstance(mean_kl, bool):
@@ -294,6 +310,7 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         if self.num_data == 0:
             raise ValueError("data: contains no examples")
         self.theta_star = self.subset.flatten(self.subset.params(self.model)).clone()
+        sample = self._training_sample(data, gen)
         if self._given_inducing is not None:
             z = self._given_inducing.detach().clone()
         else:
@@ -303,12 +320,18 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
                     f"num_inducing: M = {self.num_inducing} exceeds the number of training "
                     f"points N = {self.num_data}"
                 )
-            z = self._kmeans(self._inputs_for_kmeans(data, gen), self.num_inducing)
+            z = self._kmeans(sample[0], self.num_inducing)
         self.inducing_points = z.requires_grad_(self.learn_inducing)
         self.num_outputs = model_outputs(self.model, z[:1]).shape[1]
-        mc = z.shape[0] * self.num_outputs
+        spec = self._classes_spec
+        if isinstance(spec, str) and spec == "auto":
+            spec = "label" if self.task == "classification" else "all"
+        self._rows = self._inducing_rows(spec, z, sample, self.num_outputs)
+        mc = z.shape[0] * self.num_outputs if self._rows is None else z.shape[0]
         check_allocation(
-            mc * mc + (mc * self.subset.num_params if self.kernel == "jacobian" else 0),
+            mc * mc
+            + (z.shape[0] * self.num_outputs * self.subset.num_params)
+            * (self.kernel == "jacobian"),
             self.theta_star.dtype,
             f"VaLLA: the (M C)^2 inducing covariance and the (M C, P) Jacobian at the inducing "
             f"points (M C = {mc:,}, P = {self.subset.num_params:,})",
@@ -634,8 +657,16 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         return predictive_from_gaussian(mean, cov, self.task, link=link, **kwargs)
 
     @property
+    def inducing_classes(self) -> Tensor | None:
+        """The class c_m of each inducing input (M,) when the inducing values are pairs
+        f_{c_m}(z_m); None when they are all C outputs at every inducing input."""
+        self._require_init()
+        return None if self._rows is None else self._rows % self.num_outputs
+
+    @property
     def inducing_covariance(self) -> Tensor:
-        """S_u = L_K S_v L_K^T (MC, MC), the covariance of q(u) at the inducing outputs."""
+        """S_u = L_K S_v L_K^T (D, D), the covariance of q(u) at the D inducing outputs (M C,
+        or M for inducing pairs)."""
         self._require_init()
         with torch.no_grad():
             chol_k = self._cholesky(self._kzz())
@@ -645,7 +676,7 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
     @property
     @in_eval_mode
     def kernel_zz(self) -> Tensor:
-        """K_ZZ (MC, MC), the prior covariance of the inducing outputs."""
+        """K_ZZ (D, D), the prior covariance of the D inducing outputs (M C, or M pairs)."""
         self._require_init()
         with torch.no_grad():
             return self._kzz()
@@ -670,7 +701,12 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
             u = xi @ (chol_k @ self.chol_v).T
             # J_Z e and J_Z^T w by jvp / vjp: no (MC, P) Jacobian is needed
             jz_e = batched_jvp(self.model, z, self.subset, e).reshape(num_samples, -1)
-            sol = torch.cholesky_solve((jz_e - u).T, chol_k).T  # (S, MC)
+            if self._rows is not None:  # inducing pairs: f_{c_m}(z_m) only
+                jz_e = jz_e.index_select(1, self._rows)
+            sol = torch.cholesky_solve((jz_e - u).T, chol_k).T  # (S, D)
+            if self._rows is not None:
+                full = sol.new_zeros(num_samples, z.shape[0] * self.num_outputs)
+                sol = full.index_copy(1, self._rows, sol)
             back = batched_vjp(
                 self.model, z, self.subset, sol.reshape(num_samples, *z.shape[:1], -1)
             )
@@ -684,6 +720,8 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         is not included (save it separately)."""
         self._require_init()
         state: dict[str, Any] = {k: v for k, v in self._variational_state().items()}
+        if self._rows is not None:
+            state["inducing_classes"] = self._rows % self.num_outputs
         state.update(
             st.identity(self.task, self.subset.names, self.model),
             theta_star=self.theta_star,
@@ -708,6 +746,7 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
             "theta_star": st.TensorSpec(("P",), dt),
             "num_data": st.Integer(1),
             "alpha": st.Number(positive=False),
+            "inducing_classes": st.Maybe(st.TensorSpec(("M",), "int")),
         }
         valid = st.validate_posterior_state(
             state,
@@ -719,6 +758,12 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
             strict=strict,
         )
         z = valid["inducing_points"]
+        classes = valid.get("inducing_classes")
+        if classes is not None and valid["chol_raw"].shape[0] != z.shape[0]:
+            raise st.StateError(
+                "VaLLA.load_state_dict: invalid state: 'chol_raw': one row per inducing pair "
+                f"expected ({z.shape[0]}), got {valid['chol_raw'].shape[0]}"
+            )
         if valid["chol_raw"].shape[0] % z.shape[0]:
             raise st.StateError(
                 "VaLLA.load_state_dict: invalid state: 'chol_raw': expected a multiple of the "
@@ -728,7 +773,18 @@ class VaLLA(InducingKernel, DeclaredCapabilities):
         self.num_data = valid["num_data"]
         self.alpha = valid["alpha"]
         self.inducing_points = z.clone().requires_grad_(self.learn_inducing)
-        self.num_outputs = valid["chol_raw"].shape[0] // z.shape[0]
+        if classes is None:
+            self.num_outputs = valid["chol_raw"].shape[0] // z.shape[0]
+            self._rows = None
+        else:
+            self.num_outputs = model_outputs(self.model, z[:1].to(self.theta_star)).shape[1]
+            if bool(((classes < 0) | (classes >= self.num_outputs)).any()):
+                raise st.StateError(
+                    "VaLLA.load_state_dict: invalid state: 'inducing_classes': classes must "
+                    f"lie in [0, {self.num_outputs})"
+                )
+            rows = torch.arange(z.shape[0], device=z.device) * self.num_outputs
+            self._rows = rows + classes.to(device=z.device, dtype=torch.long)
         self.chol_raw = valid["chol_raw"].clone().requires_grad_(True)
         self.log_prior = valid["log_prior"].clone().requires_grad_(self.learn_prior)
         self.log_sigma = valid["log_sigma"].clone().requires_grad_(self.learn_noise)

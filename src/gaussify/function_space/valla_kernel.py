@@ -8,6 +8,13 @@ Z is fixed, K_ZZ is cached as one unit-prior Gram matrix per prior group, so a s
 learned prior costs no pass over Z: K_ZZ = sum_g G_g / delta_g. Inducing inputs start at
 K-means centres of the training inputs.
 
+The inducing outputs are either all C outputs at every inducing input (M C of them) or, as in
+the authors' code for classification, one output per inducing input: pairs (z_m, c_m) whose
+value is f_{c_m}(z_m), so that K_ZZ[m, m'] = k(z_m, z_m')[c_m, c_m'] and K_{Z x}[m] =
+k(z_m, x)[c_m, :] -- M inducing values, O(M^3) per step instead of O((M C)^3). Both are row
+selections of the all-outputs kernels (``_rows``: the kept rows m C + c_m, or None for all),
+so with every pair (z_m, c) present the two designs are the same GP.
+
 :class:`InducingKernel` is a mixin of :class:`gaussify.function_space.valla.VaLLA`: it reads
 the posterior's ``model``, ``subset``, ``log_prior``, ``kernel``, ``inducing_points``,
 ``learn_inducing``, ``kmeans_points`` and ``seed``.
@@ -42,6 +49,16 @@ class InducingKernel:
     _jz_cache: Tensor
     _zz_grams: list[Tensor] | None
     _warned_jitter: bool
+    _rows: Tensor | None
+
+    def _keep(self, k: Tensor, cols: bool = False) -> Tensor:
+        """The rows (and with ``cols`` the columns) of an all-outputs kernel (M C, ...) that
+        belong to the inducing outputs (all of them when ``_rows`` is None)."""
+        rows = getattr(self, "_rows", None)
+        if rows is None:
+            return k
+        k = k.index_select(0, rows)
+        return k.index_select(1, rows) if cols else k
 
     def _prior_vec(self) -> Tensor:
         return expand_prior(self.log_prior.exp(), self.subset)
@@ -100,7 +117,7 @@ class InducingKernel:
         if not self.learn_inducing:
             return self._jz_cache
         jz = jacobians(self.model, self.inducing_points, self.subset)
-        return jz.reshape(-1, jz.shape[-1])
+        return self._keep(jz.reshape(-1, jz.shape[-1]))
 
     def _kzz(self) -> Tensor:
         """K_ZZ (MC, MC); from cached unit-prior components (one per prior group) while Z is
@@ -115,7 +132,7 @@ class InducingKernel:
         if self.kernel == "ntk":
             m = self.inducing_points
             k = ntk(self.model, m, None, self.subset, self.log_prior.exp())
-            return k.reshape(k.shape[0] * k.shape[1], -1)
+            return self._keep(k.reshape(k.shape[0] * k.shape[1], -1), cols=True)
         jz = self._jz()
         return self._kernel(jz, jz)
 
@@ -125,7 +142,7 @@ class InducingKernel:
             prior = self.log_prior.exp()
             k_zx = ntk(self.model, self.inducing_points.detach(), x, self.subset, prior)
             k_xx = ntk_diag(self.model, x, self.subset, prior)
-            return k_zx.reshape(k_zx.shape[0] * k_zx.shape[1], -1), k_xx
+            return self._keep(k_zx.reshape(k_zx.shape[0] * k_zx.shape[1], -1)), k_xx
         jac = jacobians(self.model, x, self.subset)
         b, c, p = jac.shape
         return self._kernel(self._jz(), jac.reshape(b * c, p)), self._kernel_diag_blocks(jac)
@@ -152,19 +169,52 @@ class InducingKernel:
                 return chol
         raise ValueError("K_ZZ: not positive definite even with jitter; use fewer inducing points")
 
-    def _inputs_for_kmeans(self, data: Batches, gen: torch.Generator) -> Tensor:
+    def _training_sample(self, data: Batches, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Up to ``kmeans_points`` training (inputs, targets): a random subset of a tensor pair,
+        the first batches of a loader."""
         if isinstance(data, tuple):
-            x = data[0]
+            x, y = data[0], data[1]
             if x.shape[0] > self.kmeans_points:
-                x = x[torch.randperm(x.shape[0], generator=gen)[: self.kmeans_points]]
-            return x
-        parts, count = [], 0
-        for x, _ in as_batches(data):
-            parts.append(x)
+                keep = torch.randperm(x.shape[0], generator=gen)[: self.kmeans_points]
+                x, y = x[keep], y[keep]
+            return x, y
+        xs, ys, count = [], [], 0
+        for x, y in as_batches(data):
+            xs.append(x)
+            ys.append(y)
             count += x.shape[0]
             if count >= self.kmeans_points:
                 break
-        return torch.cat(parts)[: self.kmeans_points]
+        return torch.cat(xs)[: self.kmeans_points], torch.cat(ys)[: self.kmeans_points]
+
+    def _inducing_rows(
+        self, spec: str | Tensor, z: Tensor, sample: tuple[Tensor, Tensor], c: int
+    ) -> Tensor | None:
+        """The class c_m of each inducing input as kept rows m C + c_m of the all-outputs
+        kernel, or None for all outputs. ``spec``: "all"; "cycle" (c_m = m mod C, the authors'
+        default); "label" (the label of the training input nearest to z_m: for inducing inputs
+        drawn from the training set, their own labels, as in the authors' experiments); or a
+        tensor (M,) of classes in [0, C). With one output every design is "all"."""
+        m = z.shape[0]
+        if isinstance(spec, Tensor):
+            if spec.shape != (m,) or spec.dtype.is_floating_point or spec.dtype == torch.bool:
+                raise ValueError(
+                    f"inducing_classes: expected an integer tensor of shape ({m},), one class "
+                    f"per inducing point, got {spec.dtype} {tuple(spec.shape)}"
+                )
+            if bool(((spec < 0) | (spec >= c)).any()):
+                raise ValueError(f"inducing_classes: classes must lie in [0, {c}), got {spec}")
+            classes = spec.to(device=z.device, dtype=torch.long)
+        elif spec == "all" or c == 1:
+            return None
+        elif spec == "cycle":
+            classes = torch.arange(m, device=z.device) % c
+        else:  # "label"
+            x, y = sample
+            flat = x.reshape(x.shape[0], -1).double()
+            dist = torch.cdist(z.detach().reshape(m, -1).double(), flat)
+            classes = y.reshape(-1).long()[dist.argmin(1).to(y.device)].to(z.device)
+        return torch.arange(m, device=z.device) * c + classes
 
     def _kmeans(self, x: Tensor, m: int) -> Tensor:
         """M K-means centres of the (flattened) inputs (scikit-learn, seeded), shaped like x."""
@@ -184,11 +234,11 @@ class InducingKernel:
         self._zz_grams = None
         if self.kernel == "jacobian":
             jz = jacobians(self.model, z, self.subset)
-            self._jz_cache = jz.reshape(-1, jz.shape[-1])
+            self._jz_cache = self._keep(jz.reshape(-1, jz.shape[-1]))
             groups = self._groups()
             if groups is not None and not self.learn_inducing:
                 self._zz_grams = [self._jz_cache[:, g] @ self._jz_cache[:, g].T for g in groups]
         elif names is not None:
             comps = ntk_components(self.model, z, None, self.subset, groups=names)
             mc = comps.shape[1] * comps.shape[2]
-            self._zz_grams = list(comps.reshape(comps.shape[0], mc, mc))
+            self._zz_grams = [self._keep(g, cols=True) for g in comps.reshape(-1, mc, mc)]

@@ -1,0 +1,112 @@
+"""VaLLA paper Fig. 3 (right): VaLLA's fit time against ELLA's, side by side in one process.
+
+Setting of ``gaussify.experiments.function_space_images`` on MNIST: 2000 training images,
+784-100-100-10 tanh MLP (float64, 10 epochs), VaLLA with M = 100 k-means inducing inputs
+(kernel "ntk", batch 128, 10 epochs, early stopping on the validation part with patience 2),
+ELLA with 200 random landmarks and its prior by grid search on the Nyström evidence (what the
+experiment times: the paper's ELLA tunes its prior by a grid search too). Repeats alternate
+the methods; the ratio is the median of the per-repeat ratios. Also the time of one VaLLA step
+for the two inducing designs (inducing pairs, the default, against all C outputs at each
+inducing input), median over steps. Writes ``benchmarks/results/valla_vs_ella_time.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import gaussify as gs
+from gaussify.cli_args import add_device_argument
+from gaussify.experiments import function_space_images as fi
+from gaussify.experiments._runner import train_map_eval
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--output", default="benchmarks/results/valla_vs_ella_time.json")
+    add_device_argument(parser)
+    args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
+    torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    ds = gs.data.load("mnist", seed=0, dtype=torch.float64, flatten=True, max_train=2000)
+    x, y, val = ds.x_train, ds.y_train, (ds.x_val, ds.y_val)
+    model = fi.make_mlp(x.shape[1], 100, 10, 0)
+    train_map_eval(model, (x, y), "classification", {"epochs": 10, "seed": 0}, batch_size=128)
+
+    def valla(design: str, **kw):
+        return gs.VaLLA(
+            model, "classification", num_inducing=100, epochs=10, batch_size=128,
+            kernel="ntk", seed=0, inducing_classes=design, **kw,
+        )  # fmt: skip
+
+    steps = {}
+    for design in ("auto", "all"):
+        v = valla(design).initialize((x, y))
+        v._total_steps, v._step_count = args.steps, 0
+        times = []
+        for i in range(args.steps):
+            xb, yb = x[i * 128 : (i + 1) * 128], y[i * 128 : (i + 1) * 128]
+            t = time.perf_counter()
+            v.step(xb, yb)
+            times.append(time.perf_counter() - t)
+        steps[design] = {
+            "median_step_s": statistics.median(times),
+            "step_s": times,
+            "inducing_values": int(v.kernel_zz.shape[0]),
+        }
+        print(design, steps[design], flush=True)
+    rows: list[dict[str, float]] = []
+
+    def write() -> None:
+        out = {
+            "what": __doc__.split("\n")[0],
+            "setting": "mnist, 2000 training images, 784-100-100-10 tanh MLP, VaLLA M = 100 "
+            "(ntk, batch 128, 10 epochs, patience 2), ELLA 200 landmarks + grid prior; 1 thread",
+            "load_avg_start": load_start,
+            "load_avg_end": os.getloadavg(),
+            "step_time_by_design": steps,
+            "step_ratio_all_over_pairs": steps["all"]["median_step_s"]
+            / steps["auto"]["median_step_s"],
+            "repeats": rows,
+        }
+        if rows:
+            out["median_ratio_valla_over_ella"] = statistics.median(r["ratio"] for r in rows)
+            out["median_valla_s"] = statistics.median(r["valla_s"] for r in rows)
+            out["median_ella_s"] = statistics.median(r["ella_s"] for r in rows)
+        with open(args.output, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+    write()
+    for r in range(args.repeats):
+        t = time.perf_counter()
+        v = valla("auto").fit((x, y), val, patience=2)
+        t_valla = time.perf_counter() - t
+        t = time.perf_counter()
+        gs.ELLA(model, "classification", num_landmarks=200, seed=0).fit((x, y)).optimize_prior(
+            method="grid"
+        )
+        t_ella = time.perf_counter() - t
+        rows.append(
+            {
+                "repeat": r,
+                "valla_s": t_valla,
+                "ella_s": t_ella,
+                "ratio": t_valla / t_ella,
+                "valla_steps": len(v.history["objective"]),
+            }
+        )
+        print(rows[-1], flush=True)
+        write()
+
+
+if __name__ == "__main__":
+    main()

@@ -35,10 +35,14 @@ Memory peaks run on the first two batches (the peak is per batch). A backend who
 takes over ``SLOW_S`` (Curvlinops' diagonal, from dense Jacobians) runs once, unprofiled.
 
 Floors, measured once per case (the first backend's subprocess): one training epoch (forward
-and backward of the summed cross-entropy per batch) and, for the exact GGN of all weights,
-gaussify's forward pass plus its C batched backward passes alone (no reduction), in the
-memory rule's chunks; ``backend_over_backward_floor`` is the best backend's whole fit over the
-latter, the most any fit that propagates the C columns could gain.
+and backward of the summed cross-entropy per batch) and, for all weights of a chain,
+gaussify's forward pass alone, the forward pass plus its K batched backward passes alone
+(K = C for the exact GGN, 1 for EF / MC; no reduction) in the memory rule's chunks, and for
+KFAC the forward pass plus the input factors A alone (im2col and Gram, computed alike by
+every KFAC); ``backend_over_backward_floor`` is the best backend's whole fit over the
+backward floor, the most any fit that propagates the K vectors within the rule could gain,
+and for KFAC ``backend_over_kfac_floor`` the same over backward + input factors (one forward
+pass counted once).
 
 Writes ``benchmarks/results/curvature_fits.json`` and prints a table.
 """
@@ -206,10 +210,15 @@ def backend_values(case: dict[str, Any], la: Any) -> Tensor:
 def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> dict[str, float]:
     """What no fit can beat, timed on the same batches: ``train_epoch_s``, one forward and
     backward pass of the summed cross-entropy per batch (one training epoch without the
-    optimiser), and for the exact GGN of a chain ``backward_s``, gaussify's forward pass and
-    its K = C batched backward passes to the first layer in the memory rule's chunks with no
-    reduction (the propagation the diagonal and KFAC both need)."""
+    optimiser), and for a chain (all weights): ``forward_s``, gaussify's forward pass without
+    a graph alone; ``backward_s``, that forward pass and its K batched backward passes (K = C
+    for the exact GGN, 1 for the empirical Fisher and Monte Carlo) to the first layer in the
+    memory rule's chunks (groups of K' < K vectors where one sample with all K exceeds the
+    rule) with no reduction (the propagation the diagonal and KFAC both need); for KFAC
+    ``input_factors_s``, the forward pass and the input factors A = sum [a, 1] [a, 1]^T alone
+    (im2col patches in the rule's chunks), which every KFAC computes the same way."""
     from gaussify.curvature import batched_backward as bb
+    from gaussify.curvature import kron_grams
     from gaussify.likelihoods import get_likelihood
 
     def epoch() -> None:
@@ -220,25 +229,55 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
 
     out = {"train_epoch_s": _best_of(epoch)}
     chain = bb.module_chain(model)
-    if chain is None or case["flavour"] != "ggn" or case.get("subset") == "last_layer":
+    if chain is None or case.get("subset") == "last_layer":
         return out
     lik = get_likelihood("classification")
     layers = [i for i, (_, m) in enumerate(chain) if type(m) in (nn.Linear, nn.Conv2d)]
     storage = sum(p.numel() for p in model.parameters())
+    diag = case["structure"] == "diag"
+
+    def forward() -> None:
+        with torch.no_grad():
+            for xb, _ in loader:
+                bb.chain_forward(chain, xb)
 
     def backward() -> None:
         with torch.no_grad():
-            for xb, _ in loader:
+            for xb, yb in loader:
                 run = bb.chain_forward(chain, xb)
-                u = lik.hessian_sqrt(run.output).transpose(1, 2)
-                per = layers if case["structure"] == "diag" else []
-                chunk = bb.rule_chunk(run, model, u.shape[1], storage, per, copies=2)
+                if case["flavour"] == "ggn":
+                    u = lik.hessian_sqrt(run.output).transpose(1, 2)
+                else:  # one residual per sample (EF; MC at a sampled label alike)
+                    u = lik.residual(run.output, yb).unsqueeze(1)
+                # as the fits do: the exact GGN's vectors formed per chunk (rowwise)
+                rule = {"copies": 2 if diag else 1, "rowwise": case["flavour"] == "ggn"}
+                per, k = layers if diag else [], u.shape[1]
+                chunk = bb.rule_chunk(run, model, k, storage, per, floor=0, **rule)
+                cols = k
+                if chunk == 0:  # one sample with all K vectors exceeds the rule: groups
+                    chunk, cols = 1, bb.rule_columns(run, model, k, storage, per, **rule)
                 for start in range(0, xb.shape[0], chunk):
                     rows = slice(start, start + chunk)
-                    for _ in bb.backward_chunk(run, u[rows], layers, rows):
-                        pass
+                    for c0 in range(0, k, cols):
+                        for _ in bb.backward_chunk(run, u[rows, c0 : c0 + cols], layers, rows):
+                            pass
 
+    def input_factors() -> None:
+        with torch.no_grad():
+            for xb, _ in loader:
+                run = bb.chain_forward(chain, xb)
+                budget = kron_grams.chain_input_budget(model, run, storage)
+                for i in layers:
+                    m = chain[i][1]
+                    d = m.weight[0].numel() + 1
+                    a_sum = torch.zeros(d, d, dtype=xb.dtype)
+                    inp = run.acts[i]
+                    kron_grams.input_gram(m, inp, ("", True, True), "expand", a_sum, budget)
+
+    out["forward_s"] = _best_of(forward)
     out["backward_s"] = _best_of(backward)
+    if not diag:
+        out["input_factors_s"] = _best_of(input_factors)
     return out
 
 
@@ -415,6 +454,10 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if "backward_s" in floor:
         # the best backend's whole fit over the time of the C backward passes alone
         result["backend_over_backward_floor"] = ok[best]["backend_s"] / floor["backward_s"]
+    if "input_factors_s" in floor and "backward_s" in floor:
+        # KFAC: the backward passes and the input factors, one forward pass counted once
+        kfac = floor["backward_s"] + floor["input_factors_s"] - floor["forward_s"]
+        result["backend_over_kfac_floor"] = ok[best]["backend_s"] / kfac
     times = [ok.get(b, {}).get("backend_s", float("nan")) for b in BACKENDS]
     rule = f"{ok[best].get('gaussify_rule_ratio', float('nan')):.2f}/"
     rule += f"{ok[best].get('backend_rule_ratio', float('nan')):.2f}"

@@ -3,8 +3,14 @@
 
     pip install --no-deps vbll          # pure Python; never let pip pull another torch
     OMP_NUM_THREADS=1 python benchmarks/vbll_regression_protocol.py [--datasets boston ...]
-        [--seeds 3] [--epochs 150] [--output benchmarks/results/vbll_regression_protocol.json]
-    # or one process per data set, then: --merge part1.json part2.json ...
+        [--seeds 3] [--first-seed 0] [--epochs 150] [--methods ...] [--jobs 2]
+        [--output benchmarks/results/vbll_regression_protocol.json]
+    # parts run separately are combined with: --merge part1.json part2.json ...
+
+Cost: one run is 2,250 Adam steps on boston, 3.3 s of CPU for ours and 5.0 s for the package
+(each record's ``cpu_seconds``; ``seconds`` is wall time, which on a loaded shared machine is
+10-20 times longer). ``--jobs N`` runs N worker processes of one torch thread each. Runs are
+deterministic (one thread, CPU), so a part rerun on unchanged code reproduces its records.
 
 Protocol (both libraries in the same process, paired): for each data set and seed ``s``,
 ``gaussify.data.load(name, seed=s)`` (standardised inputs and targets; the training part only,
@@ -23,10 +29,16 @@ Heads:
   ``W^-1(1, 1)`` noise prior, noise initialised at the target variance 1);
 * ``gaussify_prior1``: the same with ``prior_scale=1.0``, the default before issue 19
   (prior variance 1 per weight, 50 times weaker at ``D = 50``);
-* ``gaussify_wstd1`` / ``gaussify_vbllinit`` (ablations, issue 19): the defaults with the
-  package's initial mean ``W_bar ~ N(0, 1)`` (ours: ``N(0, 1/D)``), and with also its random
-  initial Cholesky factor of ``S`` (log-diagonal ``N(-log(D)/2, 1)``, off-diagonal ``N(0, 1/D^2)``;
-  ours: ``S = I/D``) -- the only terms in which the two heads differ;
+* one-factor ablations (issue 19; ``results/vbll_regression_factors.json``), the defaults with
+  one thing changed: ``gaussify_vbllstate`` (the package head's own initial draw copied into
+  ours: isolates everything but the start), ``gaussify_wstd1`` (the default draw of the mean
+  times ``sqrt(D)``: the package's ``N(0, 1)`` scale), ``gaussify_wnormal`` (a fresh ``N(0, 1)``
+  mean), ``gaussify_wzero`` (a zero mean), ``gaussify_vbllcov`` (the package's random Cholesky
+  factor of ``S``: log-diagonal ``N(-log(D)/2, 1)``, off-diagonal ``N(0, 1/D^2)``; ours
+  ``S = I/D``), ``gaussify_cov{k}`` (``S = k I / D``), ``gaussify_vbllinit`` (both of the
+  package's scales); any head with the suffix ``_headnowd`` (no weight decay on the head's
+  parameters, 1e-2 on the body: the package tutorial's parameter groups) or ``_f64`` (float64
+  throughout: the size of round-off chaos over the run);
 * ``vbll_ws{w}``: ``vbll.Regression(50, 1, 1/N, wishart_scale=w)`` at the package's other
   defaults (prior variance ``1 / D``, ``dof=1``) for ``w`` in 0.01, 0.1, 1, 10. The package
   initialises ``log sigma ~ N(0, log(w)^2)``: away from ``w = 1`` the starting noise is a random
@@ -34,8 +46,10 @@ Heads:
 
 Reported per data set and head: test NLL (standardised units, the head's own predictive),
 test and training MSE, mean predictive variance and final noise variance, mean ± standard error
-over seeds and per seed; ``best_vbll`` is the package's ``wishart_scale`` with the lowest mean
-test NLL, chosen on the test set (an optimistic baseline).
+over seeds and per seed; rows ``paired:A-B`` give the per-seed differences of test NLL (mean,
+standard error, seeds where A is lower); ``best_vbll`` is the package's ``wishart_scale`` with
+the lowest mean test NLL, chosen on the test set (an optimistic baseline), and the summary row
+pairs our defaults with it.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ import json
 import math
 import platform
 import time
+from concurrent.futures import ProcessPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -65,28 +80,74 @@ WISHART_SCALES = (0.01, 0.1, 1.0, 10.0)
 WIDTH = 50
 
 
+def _vbll_head(num_train: int, wishart_scale: float = 1.0) -> nn.Module:
+    import vbll
+
+    return vbll.Regression(WIDTH, 1, 1.0 / num_train, wishart_scale=wishart_scale)
+
+
+def _copy_vbll_state(ours: VBLLRegression, theirs: nn.Module) -> None:
+    """Set our head to the package head's parameters (noise stored as ``-log sigma``)."""
+    with torch.no_grad():
+        ours.W_mean.copy_(theirs.W_mean)
+        ours.W_cov.logdiag.copy_(theirs.W_logdiag)
+        ours.W_cov.offdiag.copy_(theirs.W_offdiag)
+        ours.noise_cov.logdiag.copy_(-theirs.noise_logdiag)
+
+
 def make_head(method: str, num_train: int) -> nn.Module:
-    """A fresh head for ``method`` (see the module doc)."""
+    """A fresh head for ``method`` (see the module doc); the optimiser and precision variants
+    (``*_headnowd``, ``*_f64``) use the head of the name before the suffix."""
+    for suffix in ("_headnowd", "_f64"):
+        method = method.removesuffix(suffix)
     if method == "gaussify":
         return VBLLRegression(WIDTH, 1, 1.0 / num_train)
     if method == "gaussify_prior1":
         return VBLLRegression(WIDTH, 1, 1.0 / num_train, prior_scale=1.0)
-    if method in ("gaussify_wstd1", "gaussify_vbllinit"):
-        # ablations: the objectives of both libraries agree term by term (same bound, KL,
-        # inverse-Wishart term and parameterisations); only the initial draws differ
+    if method == "gaussify_vbllstate":
+        # the package head's own initial draw, copied into ours: the trajectories must agree
+        theirs = _vbll_head(num_train)
         head = VBLLRegression(WIDTH, 1, 1.0 / num_train)
+        _copy_vbll_state(head, theirs)
+        return head
+    if method.startswith("gaussify_"):
+        # one-factor ablations on top of the defaults (issue 19)
+        head = VBLLRegression(WIDTH, 1, 1.0 / num_train)
+        cov = head.W_cov
+        # the default draw of the mean, N(0, 1/D)
+        old_mean = head.W_mean.detach().clone()
         with torch.no_grad():
-            head.W_mean.mul_(math.sqrt(WIDTH))  # the package's N(0, 1) mean, not N(0, 1/D)
-            if method == "gaussify_vbllinit":  # and its random Cholesky factor of S
-                cov = head.W_cov
+            if method == "gaussify_wstd1":  # that draw scaled to the package's N(0, 1)
+                head.W_mean.copy_(old_mean * math.sqrt(WIDTH))
+            elif method == "gaussify_wnormal":  # a fresh N(0, 1) draw of the mean
+                head.W_mean.normal_()
+            elif method == "gaussify_wzero":  # a zero mean: q(W) starts at the prior
+                head.W_mean.zero_()
+            elif method == "gaussify_vbllcov":  # the package's random S factor
                 cov.logdiag.copy_(torch.randn_like(cov.logdiag) - 0.5 * math.log(WIDTH))
                 cov.offdiag.copy_(torch.randn_like(cov.offdiag) / WIDTH)
+            elif method.startswith("gaussify_cov"):  # S = k I / D
+                cov.logdiag.fill_(0.5 * math.log(float(method[12:]) / WIDTH))
+            elif method == "gaussify_vbllinit":  # both of the package's scales
+                head.W_mean.copy_(old_mean * math.sqrt(WIDTH))
+                cov.logdiag.copy_(torch.randn_like(cov.logdiag) - 0.5 * math.log(WIDTH))
+                cov.offdiag.copy_(torch.randn_like(cov.offdiag) / WIDTH)
+            else:
+                raise ValueError(f"method: unknown {method!r}")
         return head
     if method.startswith("vbll_ws"):
-        import vbll
-
-        return vbll.Regression(WIDTH, 1, 1.0 / num_train, wishart_scale=float(method[7:]))
+        return _vbll_head(num_train, float(method[7:]))
     raise ValueError(f"method: unknown {method!r}")
+
+
+def make_optimizer(method: str, body: nn.Module, head: nn.Module) -> torch.optim.Optimizer:
+    """AdamW lr 1e-3 at its default weight decay 1e-2 on every parameter; ``*_headnowd``: no
+    weight decay on the head (the ``vbll`` package's examples), 1e-2 on the body."""
+    if method.endswith("_headnowd"):
+        groups = [{"params": list(body.parameters())},
+                  {"params": list(head.parameters()), "weight_decay": 0.0}]  # fmt: skip
+        return torch.optim.AdamW(groups, lr=1e-3)
+    return torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-3)
 
 
 def _moments(head: nn.Module, phi: Tensor) -> tuple[Tensor, Tensor, float]:
@@ -115,22 +176,24 @@ def run_one(
     batch: int = 32,
     device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
+    torch.set_num_threads(1)
     data = load(name, seed, device)
+    dtype = torch.float64 if method.endswith("_f64") else torch.float32
+    data = {k: v.to(dtype) for k, v in data.items()}
     x, y = data["x"], data["y"]
     torch.manual_seed(seed)
-    body = make_body(x.shape[1], WIDTH).to(x.device)
-    head = make_head(method, len(x)).to(x.device)
-    params = [*body.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    body = make_body(x.shape[1], WIDTH).to(x.device, dtype)
+    head = make_head(method, len(x)).to(x.device, dtype)
+    opt = make_optimizer(method, body, head)
     gen = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(epochs):
         for idx in torch.randperm(len(x), generator=gen).to(x.device).split(batch):
             opt.zero_grad(set_to_none=True)
             head(body(x[idx])).train_loss_fn(y[idx]).backward()
             opt.step()
     synchronize(x.device)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     with torch.no_grad():
         phi_test = body(data["x_test"])
         nll = float(head(phi_test).val_loss_fn(data["y_test"]))
@@ -147,7 +210,12 @@ def run_one(
         "pred_var": float(var.mean()),
         "noise_var": noise,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
     }
+
+
+def _run_task(task: tuple) -> dict[str, Any]:
+    return run_one(*task)
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -157,6 +225,22 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
         return mean, float("nan")
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
+
+
+def _paired_row(name: str, a: str, b: str, nll: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """Paired test-NLL difference ``a - b`` over the seeds both ran (mean, s.e.)."""
+    seeds = sorted(set(nll[a]) & set(nll[b]))
+    diffs = [nll[a][s] - nll[b][s] for s in seeds]
+    mean, se = _mean_se(diffs) if diffs else (float("nan"), float("nan"))
+    return {
+        "dataset": name,
+        "method": f"paired:{a}-{b}",
+        "seeds": seeds,
+        "diff_mean": mean,
+        "diff_se": se,
+        "diff_per_seed": diffs,
+        "a_better_seeds": sum(d < 0 for d in diffs),
+    }
 
 
 def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,10 +259,25 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["noise_var_per_seed"] = [r["noise_var"] for r in sel]
             by_method[method] = row
             rows.append(row)
-        vbll_rows = [r for m, r in by_method.items() if m.startswith("vbll_ws")]
+        nll = {
+            m: {
+                r["seed"]: r["test_nll"]
+                for r in records
+                if r["dataset"] == name and r["method"] == m
+            }
+            for m in by_method
+        }
+        if "gaussify" in by_method:
+            for method in by_method:  # one factor per row: paired against the defaults
+                if method != "gaussify":
+                    rows.append(_paired_row(name, method, "gaussify", nll))
+        vbll_rows = [
+            r for m, r in by_method.items() if m.startswith("vbll_ws") and "_" not in m[7:]
+        ]
         if vbll_rows and "gaussify" in by_method:
             best = min(vbll_rows, key=lambda r: r["test_nll_mean"])
             ours = by_method["gaussify"]
+            paired = _paired_row(name, "gaussify", best["method"], nll)
             rows.append(
                 {
                     "dataset": name,
@@ -187,6 +286,10 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "best_vbll_nll": best["test_nll_mean"],
                     "gaussify_nll": ours["test_nll_mean"],
                     "gaussify_minus_best_vbll": ours["test_nll_mean"] - best["test_nll_mean"],
+                    "paired_seeds": paired["seeds"],
+                    "paired_diff_mean": paired["diff_mean"],
+                    "paired_diff_se": paired["diff_se"],
+                    "ours_better_seeds": paired["a_better_seeds"],
                 }
             )
     return rows
@@ -207,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", nargs="+", type=Path, default=None, help="combine the records of earlier runs"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="worker processes (one torch thread each)"
+    )
     add_device_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -217,18 +323,30 @@ def main(argv: list[str] | None = None) -> int:
         part = json.loads(path.read_text())
         records += part["records"]
         runtime += part["runtime_s"]
-    for name in [] if args.merge else args.datasets:
-        for method in args.methods:
-            for seed in range(args.first_seed, args.first_seed + args.seeds):
-                rec = run_one(name, seed, method, args.epochs, device=args.device)
-                records.append(rec)
-                print(
-                    f"{name:14s} {method:16s} seed {seed}: NLL {rec['test_nll']:8.3f} "
-                    f"MSE {rec['test_mse']:.3f} (train {rec['train_mse']:.3f}) "
-                    f"noise {rec['noise_var']:.3g}",
-                    flush=True,
-                )
-            _write(args, records, runtime + time.perf_counter() - start)  # partial results
+    tasks = [
+        (name, seed, method, args.epochs, 32, args.device)
+        for name in ([] if args.merge else args.datasets)
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
+        for method in args.methods
+    ]
+
+    def report(rec: dict[str, Any]) -> None:
+        records.append(rec)
+        print(
+            f"{rec['dataset']:14s} {rec['method']:24s} seed {rec['seed']}: NLL "
+            f"{rec['test_nll']:8.3f} MSE {rec['test_mse']:.3f} (train {rec['train_mse']:.3f}) "
+            f"noise {rec['noise_var']:.3g} [{rec['cpu_seconds']:.1f} s cpu]",
+            flush=True,
+        )
+        _write(args, records, runtime + time.perf_counter() - start)  # partial results
+
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            for rec in pool.map(_run_task, tasks):
+                report(rec)
+    else:
+        for task in tasks:
+            report(_run_task(task))
     rows = _write(args, records, runtime + time.perf_counter() - start)
     for row in rows:
         if row["method"] == "summary":

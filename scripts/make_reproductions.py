@@ -431,7 +431,7 @@ def vbll_section(results: Path = RESULTS) -> str:
         "|---|---|---|---|---|---|",
     ]
     for (name, method), row in rows.items():
-        if method == "summary":
+        if method == "summary" or method.startswith("paired:"):
             continue
         lines.append(
             f"| {name} | `{method}` | {row['num_seeds']} | {_fmt(row['test_nll_mean'])} ± "

@@ -317,3 +317,72 @@ def test_strided_dilated_convolutions_restore_the_input_size() -> None:
         factor = middle_factor(get_likelihood("classification"), model(x), y, ef=False, draws=None)
     expected = brute_diag(model, x, factor)
     torch.testing.assert_close(curv.ggn_diag, expected, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_groups_of_vectors_equal_all_vectors(
+    kind: str, structure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When one sample with all K vectors exceeds the memory rule, the vectors go back in
+    groups of K' (rule_columns): the sums over K are sums over the groups, so the diagonal
+    equals the float64 brute force and KFAC's factors equal those of one pass with all K
+    (K' = 2 of K = 4 / 5 forced here, one sample per chunk)."""
+    from gaussify.curvature import chain_diag, kron_grams
+
+    net = mlp() if kind == "mlp" else cnn(groups=1)
+    x, y = data(kind)
+    opts = {"kron_bias": "separate"} if structure == "kron" else {}
+    reference = make_curvature(structure, net, "classification", **opts)
+    reference.update(net, x, y)
+    calls = []
+
+    def no_sample_fits(*args: object, floor: int = 1, **kwargs: object) -> int:
+        return floor
+
+    def two(*args: object, **kwargs: object) -> int:
+        calls.append(args[2])  # K
+        return 2
+
+    for module in (chain_diag, kron_grams):
+        monkeypatch.setattr(module, "rule_chunk", no_sample_fits)
+        monkeypatch.setattr(module, "rule_columns", two)
+    curv = make_curvature(structure, net, "classification", **opts)
+    curv.update(net, x, y)
+    assert calls and all(k > 2 for k in calls)
+    if structure == "diag":
+        with torch.no_grad():
+            f = net(x)
+        factor = middle_factor(get_likelihood("classification"), f, y, ef=False, draws=None)
+        expected = brute_diag(net, x, factor)
+        torch.testing.assert_close(curv.ggn_diag, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(curv.ggn_diag, reference.ggn_diag, rtol=1e-10, atol=1e-13)
+        return
+    for path, (a, b, m) in reference.kron_factors().items():
+        a2, b2, m2 = curv.kron_factors()[path]
+        torch.testing.assert_close(a2, a, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(b2, b, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(m2, m)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_squared_grads_in_groups_of_vectors_equal_the_brute_force(groups: int) -> None:
+    """A convolution whose weight is far larger than its output (8 -> 6 channels, 3 x 3
+    kernel on a 4 x 4 input: 24 outputs, 216 weights per group's block) forms the per-sample
+    weight gradients of K' = K out / weight = 1 vector at a time: the squared sums over
+    (sample, vector) equal the float64 brute force sum_{n,k} (sum_t d a_t^T)^2."""
+    from gaussify.curvature.batched_backward import conv_vector_group
+    from gaussify.curvature.chain_diag import _conv_squared_grads
+    from gaussify.curvature.patches import conv2d_patches, conv_weight_grads
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 6, 3, groups=groups).double()
+    x = torch.randn(3, 8, 4, 4, dtype=torch.float64)
+    k = 5
+    d = torch.randn(3, k, 6, 2, 2, dtype=torch.float64)
+    assert conv_vector_group(conv, k, d[0, 0].numel()) == 1
+    patches = conv2d_patches(conv, x)
+    expected = sum(conv_weight_grads(conv, patches, d[:, j]).square().sum(0) for j in range(k))
+    got = _conv_squared_grads(conv, patches, d)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert conv_vector_group(nn.Conv2d(1, 4, 3), k, 4 * 16) == k  # small weight: all K

@@ -155,3 +155,67 @@ def test_default_prior_limits_the_noise_collapse_on_an_overfit_set() -> None:
         result[name] = (nll, float(head.noise_cov.variance.detach().squeeze()))
     assert result["default"][0] < result["prior1"][0] - 0.5
     assert result["default"][1] > 1.3 * result["prior1"][1]
+
+
+def _random_state(head: last_layer.VBLLRegression, g: torch.Generator) -> None:
+    d = head.in_features
+    with torch.no_grad():
+        head.W_mean.copy_(torch.randn(1, d, generator=g, dtype=DT))
+        head.W_cov.logdiag.copy_(0.3 * torch.randn(1, d, generator=g, dtype=DT) - 1.0)
+        head.W_cov.offdiag.copy_(0.2 * torch.randn(1, d, d, generator=g, dtype=DT))
+        head.noise_cov.logdiag.fill_(0.7)
+
+
+def test_predictive_equals_closed_form_eq17() -> None:
+    """Eq. (17) in float64: ``N(w^T phi, phi^T S phi + sigma^2)`` -- mean, variance, the
+    validation loss (negative mean log density) written out."""
+    g = torch.Generator().manual_seed(5)
+    d, n = 7, 9
+    head = last_layer.VBLLRegression(d, 1, 0.1).double()
+    _random_state(head, g)
+    phi = torch.randn(n, d, generator=g, dtype=DT)
+    y = torch.randn(n, 1, generator=g, dtype=DT)
+    w, s_cov = head.W_mean.detach()[0], head.W().covariance.detach()[0]
+    sigma2 = math.exp(-1.4)
+    mean = phi @ w
+    var = torch.einsum("nd,de,ne->n", phi, s_cov, phi) + sigma2
+    out = head(phi)
+    torch.testing.assert_close(out.predictive.mean[:, 0].detach(), mean)
+    torch.testing.assert_close(out.predictive.var[:, 0].detach(), var)
+    nll = 0.5 * (math.log(2 * math.pi) + var.log() + (y[:, 0] - mean).square() / var).mean()
+    torch.testing.assert_close(out.val_loss(y).detach(), nll)
+
+
+def test_predictive_and_gradients_equal_the_vbll_package() -> None:
+    """Same parameters (float64): the package's predictive (mean, variance, validation loss)
+    equals ours, and so do the gradients of the training loss with respect to every head
+    parameter and the features -- the two heads take the same optimiser steps."""
+    vbll = pytest.importorskip("vbll")
+    g = torch.Generator().manual_seed(8)
+    d, n = 6, 13
+    reg = 1.0 / n
+    ours = last_layer.VBLLRegression(d, 1, reg).double()
+    ref = vbll.Regression(d, 1, reg, wishart_scale=1.0).double()
+    _random_state(ours, g)
+    with torch.no_grad():
+        ref.W_mean.copy_(ours.W_mean)
+        ref.W_logdiag.copy_(ours.W_cov.logdiag)
+        ref.W_offdiag.copy_(ours.W_cov.offdiag)
+        ref.noise_logdiag.copy_(-ours.noise_cov.logdiag)
+    phi = torch.randn(n, d, generator=g, dtype=DT)
+    y = torch.randn(n, 1, generator=g, dtype=DT)
+    out, out_ref = ours(phi), ref(phi)
+    torch.testing.assert_close(out.predictive.mean, out_ref.predictive.mean)
+    torch.testing.assert_close(out.predictive.var, out_ref.predictive.variance)
+    torch.testing.assert_close(out.val_loss(y), out_ref.val_loss_fn(y))
+    phi_a = phi.clone().requires_grad_(True)
+    phi_b = phi.clone().requires_grad_(True)
+    params = [ours.W_mean, ours.W_cov.logdiag, ours.W_cov.offdiag, ours.noise_cov.logdiag]
+    params_ref = [ref.W_mean, ref.W_logdiag, ref.W_offdiag, ref.noise_logdiag]
+    grads = torch.autograd.grad(ours(phi_a).train_loss(y), [*params, phi_a])
+    grads_ref = torch.autograd.grad(ref(phi_b).train_loss_fn(y), [*params_ref, phi_b])
+    signs = (1.0, 1.0, 1.0, -1.0, 1.0)  # our noise parameter is -log sigma
+    for a, b, sign in zip(grads, grads_ref, signs, strict=True):
+        if a.dim() == 3:  # only the strict lower triangle is used
+            a, b = torch.tril(a, -1), torch.tril(b, -1)
+        torch.testing.assert_close(a, sign * b, rtol=1e-10, atol=1e-12)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature import generic_jacobian as gj
+from gaussify.curvature.batched_backward import linear_chain
 from gaussify.curvature.generic_jacobian import SubsetLike, check_eval_mode, resolve_subset
 from gaussify.curvature.lastlayer import (
     OutputLinear,
@@ -575,7 +576,12 @@ class GaussNewtonCurvature:
                 draws = self._draw(f)
                 target = self._lastlayer_diag(f, phi, y, draws, out)
                 return target, f, phi, draws
-        batch = torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
+        # a chain of linear layers adds the batch to ``out`` only once it is complete and
+        # finite (squared_vjp_sum's ``atomic``): no P-sized temporary
+        atomic = out is not None and linear_chain(model)
+        batch = (
+            out if atomic else torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
+        )
         held: dict[str, Tensor | None] = {}
 
         def cotangents(f: Tensor) -> Tensor:
@@ -600,11 +606,14 @@ class GaussNewtonCurvature:
             budget=self._chunk_budget(),
             out=batch,
             row_cotangents=None if self.mc_samples else row_cotangents,
+            atomic=atomic,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:
             self.last_outputs = (f, None)
-        return (batch if out is None else out.add_(batch)), f, None, held.get("draws")
+        if out is not None and not atomic:
+            batch = out.add_(batch)
+        return batch, f, None, held.get("draws")
 
     def state_schema(self) -> dict[str, Any]:
         """The declarative schema of :meth:`state_dict` (:mod:`gaussify.state`)."""

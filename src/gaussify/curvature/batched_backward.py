@@ -25,23 +25,24 @@ samples being propagated (see :func:`backward_chunk`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from gaussify.curvature.patches import conv2d_patches
 
 __all__ = [
     "ChainPass",
     "backward_chunk",
     "backward_peak",
     "chain_forward",
-    "chain_squared_sums",
+    "conv_vector_group",
+    "linear_chain",
     "module_chain",
+    "rule_budget",
     "rule_chunk",
+    "rule_columns",
 ]
 
 #: Element-wise activations: the vector-Jacobian product is g * phi'(a).
@@ -128,6 +129,14 @@ def module_chain(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     return chain
 
 
+def linear_chain(model: nn.Module) -> bool:
+    """Whether ``model`` is a supported chain (:func:`module_chain`) whose only parametrised
+    modules are ``nn.Linear`` (the diagonal then defers its additions, see
+    :func:`gaussify.curvature.chain_diag.chain_squared_sums`'s ``atomic``)."""
+    chain = module_chain(model)
+    return chain is not None and all(type(m) is not nn.Conv2d for _, m in chain)
+
+
 @dataclass
 class ChainPass:
     """The activations of one forward pass without a graph: ``acts[i]`` is the input of module
@@ -136,6 +145,11 @@ class ChainPass:
     chain: list[tuple[str, nn.Module]]
     acts: list[Tensor]
     indices: dict[int, Tensor]
+    #: the memory rule's per-batch sizes (:func:`rule_chunk`), computed once per pass
+    sizes: dict[object, int] = field(default_factory=dict)
+    #: per pass: weights detached in the gradients' dtype, ReLU masks (:func:`_vjp`)
+    weights: dict[int, Tensor] = field(default_factory=dict)
+    masks: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def output(self) -> Tensor:
@@ -193,19 +207,20 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     """g (B, K, *out_i) -> g J_i (B, K, *in_i) for module i on the samples ``rows`` (sample
     major, so that the K vectors of a sample are contiguous: a convolution's per-sample
     products then need no copy). With ``owned`` an element-wise module overwrites g (no
-    second K-fold tensor)."""
+    second K-fold tensor). Per chunk only the products themselves: the weights (detached, in
+    g's dtype) and ReLU's masks come once per pass (:func:`_weight`, :func:`_mask`)."""
     m = run.chain[i][1]
-    a = run.acts[i][rows]
-    b, k = g.shape[:2]
     kind = type(m)
     if kind is nn.Linear:
-        return g @ m.weight.detach().to(g.dtype)
+        return g @ _weight(run, i, g.dtype)
+    b, k = g.shape[:2]
+    shape = run.acts[i].shape[1:]  # module i's input per sample (values not needed)
     if kind is nn.Conv2d:
         # the adjoint of the convolution: a transposed convolution (1.5-3 x faster on the CPU
         # than autograd's convolution_backward), its output padding restoring the input size
         flat = g.reshape(b * k, *g.shape[2:])
         extra = [
-            a.shape[2 + d]
+            shape[1 + d]
             - ((g.shape[3 + d] - 1) * m.stride[d] - 2 * m.padding[d])
             - m.dilation[d] * (m.kernel_size[d] - 1)
             - 1
@@ -213,23 +228,27 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
         ]
         grad = F.conv_transpose2d(
             flat,
-            m.weight.detach().to(g.dtype),
+            _weight(run, i, g.dtype),
             stride=m.stride,
             padding=m.padding,
             output_padding=tuple(extra),
             groups=m.groups,
             dilation=m.dilation,
         )
-        return grad.view(b, k, *a.shape[1:])
+        return grad.view(b, k, *shape)
     if kind is nn.MaxPool2d:
         # autograd's rule: each output's gradient is added at the position of its maximum
         idx = run.indices[i][rows].flatten(-2).unsqueeze(1)
         src = g.flatten(-2)
-        out = g.new_zeros(b, k, *a.shape[1:-2], a.shape[-2] * a.shape[-1])
+        out = g.new_zeros(b, k, *shape[:-2], shape[-2] * shape[-1])
         out.scatter_add_(-1, idx.expand_as(src), src)
-        return out.view(b, k, *a.shape[1:])
+        return out.view(b, k, *shape)
     if kind is nn.Flatten or kind is nn.Unflatten:
-        return g.reshape(b, k, *a.shape[1:])
+        return g.reshape(b, k, *shape)
+    if kind is nn.ReLU:
+        mask = _mask(run, i)[rows]
+        return g.mul_(mask) if owned else g * mask
+    a = run.acts[i][rows]
     if kind in _ELEMENTWISE:
         deriv = _derivative(m, a, run.acts[i + 1][rows], g.dtype).unsqueeze(1)
         return g.mul_(deriv) if owned else g * deriv
@@ -241,12 +260,28 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     return grad.view(b, k, *a.shape[1:])
 
 
+def _weight(run: ChainPass, i: int, dtype: torch.dtype) -> Tensor:
+    """Module i's weight, detached and in ``dtype``, once per pass."""
+    w = run.weights.get(i)
+    if w is None or w.dtype != dtype:
+        w = run.weights[i] = run.chain[i][1].weight.detach().to(dtype)
+    return w
+
+
+def _mask(run: ChainPass, i: int) -> Tensor:
+    """A ReLU's derivative on the whole batch, its output > 0 (threshold_backward), as a
+    boolean (N, 1, *out) tensor, once per pass (counted by :func:`_held_activations`)."""
+    mask = run.masks.get(i)
+    if mask is None:
+        mask = run.masks[i] = (run.acts[i + 1] > 0).unsqueeze(1)
+    return mask
+
+
 def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """phi'(a) of an element-wise module with input a and output ``out`` (autograd's own
-    backward formulas for ReLU, tanh and sigmoid; an autograd pass on a for the others)."""
+    backward formulas for tanh and sigmoid; an autograd pass on a for the others; ReLU's is
+    a mask, :func:`_mask`)."""
     kind = type(m)
-    if kind is nn.ReLU:
-        return (out > 0).to(dtype)  # threshold_backward: the gradient where the output > 0
     if kind is nn.Tanh:
         y = out.to(dtype)
         return 1 - y * y  # tanh_backward: g (1 - y^2)
@@ -279,159 +314,11 @@ def backward_chunk(
             owned = True
 
 
-def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
-    """sum_{k,n} (sum_t delta_{k,n,t} a_{n,t}^T)^2, shape (C_out, C_in / G * kh * kw), from the
-    patches (B, C_in kh kw, T) and d (B, K, C_out, H_out, W_out): one batched matmul over
-    (sample, group) of the K stacked gradients (K out/G, T) with the patches (T, in/G)."""
-    b, k, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
-    per = conv.out_channels // groups
-    dd = d.reshape(b, k, groups, per, t).transpose(1, 2).reshape(b * groups, k * per, t)
-    a = patches.view(b * groups, patches.shape[1] // groups, t)
-    grads = torch.bmm(dd, a.transpose(1, 2)).view(b, groups, k, per, -1)
-    return grads.square_().sum((0, 2)).reshape(conv.out_channels, -1)
-
-
-def chain_squared_sums(
-    model: nn.Module,
-    x: Tensor,
-    layers: dict[str, list[str]],
-    cotangents: Callable[[Tensor], Tensor],
-    view: Callable[[str], Tensor],
-    chunk_size: int | None,
-    storage: int,
-    row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
-) -> Tensor | None:
-    """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
-    linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
-    added into ``view(parameter name)``; returns f (N, C), or None (before ``cotangents`` is
-    called). ``row_cotangents(f[rows], rows)``, if given, forms the vectors per chunk of
-    samples instead (the exact GGN's N C^2 factor is far larger than a training step for
-    many classes); it must equal ``cotangents(f)[rows]``. None is returned
-    when the model is not a supported chain or a linear layer's input is not 2-D.
-
-    Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta_{k,n}^2) a_n^2 and the bias
-    sum_n sum_k delta^2. Convolution: the per-sample gradient sum_t delta_t a_t^T (im2col
-    patches) is formed for the K vectors of a chunk of samples at once, squared and summed.
-
-    Chunks of samples (``chunk_size`` if given) keep the pass within the memory rule: a fit's
-    peak <= 2 x (one training step's peak + the curvature's storage). The forward activations
-    of the batch are what a training step holds too; the K-fold backward tensors of a chunk get
-    the rest of that budget (:func:`rule_chunk`)."""
-    chain = module_chain(model)
-    if chain is None or not layers:
-        return None
-    names = {n for n, _ in chain}
-    if not set(layers) <= names:
-        return None
-    run = chain_forward(chain, x)
-    f = run.output
-    n = x.shape[0]
-    wanted = {run.position(m): m for m in layers}
-    for i in wanted:
-        if type(run.chain[i][1]) is nn.Linear and run.acts[i].ndim != 2:
-            return None
-    if f.ndim != 2 or f.shape[0] != n:
-        return None
-    if row_cotangents is None:
-        whole = cotangents(f)
-        if whole.ndim != 3 or whole.shape[0] != n or whole.shape[2] != f.shape[1]:
-            raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(whole.shape)}")
-
-        def vectors(rows: slice) -> Tensor:
-            return whole[rows]
-    else:
-
-        def vectors(rows: slice) -> Tensor:
-            return row_cotangents(f[rows], rows)
-
-    k = vectors(slice(0, 1)).shape[1]
-    rowwise = row_cotangents is not None
-    # the (N, out) sums over K of the squared gradients of the linear layers, reduced once per
-    # batch, where holding them costs few more chunks (they pay where chunks are small)
-    sums = sum(n * run.acts[i + 1][0].numel() for i in wanted if type(chain[i][1]) is nn.Linear)
-    rule = {"copies": 2, "buffers": sums}
-    chunk = chunk_size or rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, **rule)
-    if chunk_size is None:
-        plain = rule_chunk(run, model, k, storage, wanted, rowwise=rowwise, copies=2)
-        if 2 * -(-n // chunk) > 3 * -(-n // plain):  # 1.5 x as many chunks: no buffers
-            rule, chunk = {"copies": 2, "buffers": 0}, plain
-    buffered = rule["buffers"] > 0
-    if (
-        rowwise
-        and chunk < n
-        and rule_chunk(run, model, k, storage, wanted, **rule, floor=0) >= chunk
-    ):
-        # the vectors of the whole batch fit beside chunks as large: form them once
-        whole = vectors(slice(0, n))
-
-        def vectors(rows: slice) -> Tensor:
-            return whole[rows]
-
-    with torch.no_grad():
-        _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered)
-    return f
-
-
-def _accumulate_squares(
-    run: ChainPass,
-    vectors: Callable[[slice], Tensor],
-    layers: dict[str, list[str]],
-    wanted: dict[int, str],
-    view: Callable[[str], Tensor],
-    chunk: int,
-    buffered: bool,
-) -> None:
-    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums.
-
-    A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
-    s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
-    per chunk into an (N, out) buffer and reduced once per batch (two products per chunk
-    instead of eight)."""
-    f = run.output
-    n = f.shape[0]
-    # module position -> {"weight" / "bias": the view of ``out`` holding it}, once
-    targets: dict[int, dict[str, Tensor]] = {}
-    for i, name in wanted.items():
-        prefix = f"{name}." if name else ""
-        targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
-    linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
-    squares = {i: f.new_empty(n, run.acts[i + 1].shape[1]) for i in linear} if buffered else {}
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
-        ut = vectors(rows)
-        if ut.dtype != f.dtype:
-            ut = ut.to(f.dtype)
-        for i, d in backward_chunk(run, ut, list(wanted), rows):
-            if i in linear:
-                if buffered:
-                    torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
-                else:
-                    _add_linear_squares(targets[i], (d * d).sum(1), run.acts[i][rows])
-                continue
-            module, views = run.chain[i][1], targets[i]
-            assert isinstance(module, nn.Conv2d)
-            if "weight" in views:
-                w = views["weight"]
-                a = run.acts[i][rows]
-                sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
-                w.view(module.out_channels, -1).add_(sums.to(w.dtype))
-            if "bias" in views:
-                b = views["bias"]
-                per = d.sum((-2, -1))
-                b.add_((per * per).sum((0, 1)).to(b.dtype))
-        del d, ut  # the chunk's K-fold tensors, before the per-batch reductions
-    for i, sq in squares.items():
-        _add_linear_squares(targets[i], sq, run.acts[i])
-
-
-def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:
-    """Add s^T (a^2) to a linear layer's weight view and sum_n s_n to its bias view, for
-    s (B, out) the per-sample sums over K of the squared output gradients, a (B, in)."""
-    if "weight" in views:
-        w = views["weight"]
-        w.addmm_(sq.T.to(w.dtype), (a * a).to(w.dtype))
-    if "bias" in views:
-        views["bias"].add_(sq.sum(0).to(views["bias"].dtype))
+def conv_vector_group(conv: nn.Conv2d, k: int, out: int) -> int:
+    """Vectors K' whose per-sample weight gradients a convolution with ``out`` output
+    elements per sample forms at once in the diagonal's reduction: K' C_out C_in kh kw / G
+    at most about K out (the K gradients' own size), at least 1, at most K."""
+    return max(1, min(k, (k * out) // conv.weight.numel()))
 
 
 def rule_chunk(
@@ -446,7 +333,8 @@ def rule_chunk(
     buffers: int = 0,
     floor: int = 1,
 ) -> int:
-    """Samples per backward chunk under the memory rule (see :func:`chain_squared_sums`):
+    """Samples per backward chunk under the memory rule (see
+    :func:`gaussify.curvature.chain_diag.chain_squared_sums`):
     budget = 0.85 x 2 x (a training step's estimated allocations + ``storage``) less the
     activations, the output vectors and ``copies`` storage-sized tensors this pass holds
     anyway (all in elements), at least one sample; per sample the largest set of K-fold
@@ -456,18 +344,77 @@ def rule_chunk(
     gradients). ``rowwise``: the output vectors (K C per sample) are formed per chunk, not for
     the whole batch; ``buffers``: elements of the caller's per-batch buffers; ``floor``: the
     fewest samples returned (0 says the budget does not hold one)."""
+    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    per = frozenset(per_sample_grads)
+    if (k, per) not in run.sizes:
+        run.sizes[(k, per)] = backward_peak(run, k, set(per))
+    per_sample = run.sizes[(k, per)]
+    per_sample += k * run.acts[-1][0].numel() if rowwise else 0
+    return max(floor, budget // max(per_sample, 1))
+
+
+def rule_budget(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    rowwise: bool = True,
+    copies: int = 1,
+    buffers: int = 0,
+) -> int:
+    """Elements the K-fold backward tensors (or other per-chunk temporaries) may hold under
+    the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held)."""
     n = run.acts[0].shape[0]
-    per_act = [a[0].numel() for a in run.acts]
-    held = _held_activations(run)
-    step = _step_peak(run, model, held)
+    if "step" not in run.sizes:  # once per pass: a Python loop over the modules' parameters
+        held = _held_activations(run)
+        run.sizes["step"] = _step_peak(run, model, held)
+        run.sizes["held"] = sum(held) + _mask_elements(run)
+    step, held_sum = run.sizes["step"], run.sizes["held"]
     # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
     # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)
-    vectors = 0 if rowwise else n * k * per_act[-1]  # rowwise: per chunk, below
-    budget = (17 * (step + storage)) // 10 - n * sum(held) - vectors - copies * storage - buffers
-    per_sample = backward_peak(run, k, set(per_sample_grads))
-    per_sample += k * per_act[-1] if rowwise else 0
-    return max(floor, budget // max(per_sample, 1))
+    vectors = 0 if rowwise else n * k * run.acts[-1][0].numel()  # rowwise: per chunk
+    budget = (17 * (step + storage)) // 10 - n * held_sum - vectors - copies * storage
+    return budget - buffers
+
+
+def rule_columns(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    per_sample_grads: Iterable[int] = (),
+    *,
+    rowwise: bool = False,
+    copies: int = 1,
+    buffers: int = 0,
+) -> int:
+    """Output vectors propagated together when one sample with all K exceeds the rule's
+    budget (:func:`rule_chunk` gives 0 samples): the most K' < K whose per-sample peak
+    :func:`backward_peak` fits it (the backward pass is linear in the vectors, so the sums
+    over K split into sums over groups of K' exactly), at least 1; K when one sample fits.
+    With ``rowwise`` the K C vectors of the sample are formed whole per chunk."""
+    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    budget -= k * run.acts[-1][0].numel() if rowwise else 0
+    per = set(per_sample_grads)
+    if backward_peak(run, k, per) <= budget:
+        return k
+    lo, hi = 1, k  # backward_peak grows with K: the largest K' with peak(K') <= budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if backward_peak(run, mid, per) <= budget else (lo, mid)
+    return lo
+
+
+def _mask_elements(run: ChainPass) -> int:
+    """Elements (of the activations' size) per sample of the ReLU masks a pass holds
+    (:func:`_mask`, one byte per output)."""
+    width = run.acts[0].element_size()
+    out = 0
+    for i, (_, m) in enumerate(run.chain):
+        if type(m) is nn.ReLU:
+            out += -(-run.acts[i + 1][0].numel() // width)
+    return out
 
 
 def _held_activations(run: ChainPass) -> list[int]:
@@ -501,7 +448,8 @@ def _step_peak(run: ChainPass, model: nn.Module, held: list[int]) -> int:
 
 def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
     """Elements per sample alive at once in :func:`backward_chunk` with K vectors (and the
-    reductions of :func:`chain_squared_sums` / the Gram sums at the positions it yields):
+    reductions of :func:`gaussify.curvature.chain_diag.chain_squared_sums` / the Gram sums
+    at the positions it yields):
     the maximum over the modules of the gradient they receive (K out) plus what they
     allocate, K in for a product (none for an element-wise module, which works in place,
     K 2 in for an autograd product at a zero input, none for a reshape) or, at a layer being
@@ -518,18 +466,42 @@ def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
         elif kind in _ELEMENTWISE:
             # in place, with phi'(a); a new product where g is still the caller's vectors
             alive = k * out + out + (k * out if i == len(run.chain) - 1 else 0)
+        elif kind is nn.Conv2d and i > 0:
+            alive = k * (out + inp) + k * _transposed_workspace(m, out, inp)
         elif kind in (nn.Linear, nn.Conv2d, nn.MaxPool2d):
             alive = k * (out + inp)
         else:
             alive = k * (out + 2 * inp)  # autograd's product at a zero input
         peak = max(peak, alive)
         if i in per_sample_grads and kind is nn.Conv2d:
-            # the gradient, the patches and the K per-sample weight gradients (squared in place)
+            # the gradient, the patches and the per-sample weight gradients of a group of
+            # vectors (squared in place)
             t = out // m.out_channels
             patches = m.weight[0].numel() * m.groups * t
-            peak = max(peak, k * out + patches + k * m.weight.numel())
+            group = conv_vector_group(m, k, out)
+            peak = max(peak, k * out + patches + group * m.weight.numel())
         elif kind in (nn.Linear, nn.Conv2d):
             # the gradient and its square / reordered copy; a diagonal's sums over K and the
             # squared inputs of a linear layer
             peak = max(peak, k * 2 * out + (out + inp if i in per_sample_grads else 0))
     return peak
+
+
+def _transposed_workspace(conv: nn.Conv2d, out: int, inp: int) -> int:
+    """Elements per vector of the CPU transposed convolution's workspace (oneDNN), ``out`` /
+    ``inp`` the layer's output / input sizes per sample: the incoming gradient reordered into
+    blocks of 16 channels, and the result too when its channels are not a multiple of 16
+    (measured, 100 vectors: 1,047 for 16 -> 16 channels on 8 x 8 (bound 1,024), 1,985 for
+    16 -> 1 (bound 2,048), 7,425 for 8 -> 3 on 16 x 16 (bound 8,192); the weight's reorder
+    is a constant within the rule's margin).
+    """
+    t_out, t_in = out // conv.out_channels, inp // conv.in_channels
+    ws = _blocked(conv.out_channels) * t_out
+    if conv.in_channels % 16:
+        ws += _blocked(conv.in_channels) * t_in
+    return ws
+
+
+def _blocked(channels: int) -> int:
+    """Channels rounded up to oneDNN's blocks of 16."""
+    return -(-channels // 16) * 16

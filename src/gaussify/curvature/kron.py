@@ -65,6 +65,7 @@ from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
 from gaussify.curvature.kron_grams import (
     KFACApprox,
     chain_capture,
+    chain_input_budget,
     chain_output_grams,
     gram,
 )
@@ -419,6 +420,10 @@ class KronGGN:
                 for (ly, _), g in zip(inner, grads, strict=True):
                     g = output_grads(ly, modules[ly.path], g)
                     gram(g, self._approx(ly), "sum", out=self._b[ly.name])
+            budget = None
+            if chained is not None:  # the patches' chunks from the memory rule's budget
+                storage = sum(t.numel() for t in (*self._a.values(), *self._b.values()))
+                budget = chain_input_budget(model, chained[0], storage)
             for ly in self._layers:
                 inp = captured[ly.name][0][0]
                 if self._approx(ly) == "reduce" and inp.shape[0] != f.shape[0]:
@@ -430,7 +435,7 @@ class KronGGN:
                         "rows and does not depend on their order"
                     )
                 self._m[ly.name] += add_input_factor(
-                    ly, modules[ly.path], inp, self.kfac_approx, self._a[ly.name]
+                    ly, modules[ly.path], inp, self.kfac_approx, self._a[ly.name], budget
                 )
         if vecs is not None and self._exact.names:
             self._exact.update(model, x, vecs)

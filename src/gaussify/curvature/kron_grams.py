@@ -22,7 +22,9 @@ from gaussify.curvature.batched_backward import (
     backward_chunk,
     chain_forward,
     module_chain,
+    rule_budget,
     rule_chunk,
+    rule_columns,
 )
 from gaussify.curvature.patches import conv2d_patches
 
@@ -30,6 +32,7 @@ __all__ = [
     "KFACApprox",
     "augment",
     "chain_capture",
+    "chain_input_budget",
     "chain_output_grams",
     "gram",
     "input_gram",
@@ -123,14 +126,28 @@ def chain_output_grams(
     wanted = {run.position(p): p for p in paths}
     rowwise = callable(vecs)
     k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
-    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise)
+    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise, floor=0)
+    cols = k
+    if chunk == 0:  # one sample with all K vectors exceeds the rule: groups of K' vectors
+        chunk, cols = 1, rule_columns(run, model, k, storage, rowwise=rowwise)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         part = vecs(rows) if callable(vecs) else vecs[:, rows]
-        u = part.transpose(0, 1).to(run.output.dtype)
-        for i, d in backward_chunk(run, u, list(wanted), rows):
-            g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
-            gram(g, approx, "sum", out=out[wanted[i]])
+        for c0 in range(0, k, cols):
+            u = (part if cols >= k else part[c0 : c0 + cols]).transpose(0, 1)
+            u = u.to(run.output.dtype)
+            for i, d in backward_chunk(run, u, list(wanted), rows):
+                g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
+                gram(g, approx, "sum", out=out[wanted[i]])
+            del u
+
+
+def chain_input_budget(model: nn.Module, run: ChainPass, storage: int) -> int:
+    """Elements the input factors' im2col patches may take under the memory rule
+    (:func:`gaussify.curvature.batched_backward.rule_chunk`) once the backward pass is done:
+    2 (a training step's peak + ``storage``) with its margin, less the activations and the
+    storage."""
+    return rule_budget(run, model, 0, storage)
 
 
 def input_gram(
@@ -139,15 +156,21 @@ def input_gram(
     block: tuple[str, bool, bool],
     approx: KFACApprox,
     out: Tensor,
+    budget: int | None = None,
 ) -> int:
     """Add A = sum [a, 1] [a, 1]^T of a layer's input ``inp`` (N, ...) into ``out`` and return
     the number of terms M it adds (N T for "expand", N for "reduce"). ``block``: (module path,
     weight in the block, bias in the block). Chunks of samples keep the block inputs (a
-    convolution's im2col patches are about kh kw times its input) near the input's size."""
+    convolution's im2col patches are about kh kw times its input; 3 copies of them are alive
+    at once, measured) within ``budget`` elements (the memory rule's,
+    :func:`chain_input_budget`), else near the input's size."""
     path, use_weight, use_bias = block
     n = inp.shape[0]
     per_sample = layer_inputs(module, inp[:1], path).numel() + 1
-    rows = max(1, min(n, inp.numel() // per_sample))
+    if budget is None:
+        rows = max(1, min(n, inp.numel() // per_sample))
+    else:  # measured: 3 copies of the patches per sample (unfold's, [a, 1], one more)
+        rows = max(1, min(n, budget // (3 * per_sample)))
     count = 0
     for start in range(0, n, rows):
         a = augment(layer_inputs(module, inp[start : start + rows], path), use_weight, use_bias)

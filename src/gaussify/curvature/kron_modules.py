@@ -312,15 +312,20 @@ def output_grads(ly: _Layer, module: nn.Module, grad: Tensor) -> Tensor:
 
 
 def add_input_factor(
-    ly: _Layer, module: nn.Module, inp: Tensor, approx: KFACApprox, a_sum: Tensor
+    ly: _Layer,
+    module: nn.Module,
+    inp: Tensor,
+    approx: KFACApprox,
+    a_sum: Tensor,
+    budget: int | None = None,
 ) -> int:
     """Add the layer's input factor A (its sum over the batch ``inp``) into ``a_sum`` and
     return the number of terms M it adds: ``sum [a, 1][a, 1]^T`` over the layer's inputs
     (the gram of :mod:`gaussify.curvature.kron_grams`), or for an Embedding the token counts
-    (padding tokens excluded), always "expand"."""
+    (padding tokens excluded), always "expand". ``budget``: see :func:`input_gram`."""
     if isinstance(module, (nn.Linear, nn.Conv2d)) and not ly.part:
         block = (ly.path, ly.weight is not None, ly.bias is not None)
-        return input_gram(module, inp, block, approx, a_sum)
+        return input_gram(module, inp, block, approx, a_sum, budget)
     if ly.diagonal:  # one-hot inputs: A = diag(token counts)
         assert isinstance(module, nn.Embedding)
         idx = inp.reshape(inp.shape[0], -1)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature import generic_jacobian
-from gaussify.curvature.batched_backward import chain_squared_sums
+from gaussify.curvature.chain_diag import chain_squared_sums
 from gaussify.curvature.generic_jacobian import (
     SubsetLike,
     _check_finite,
@@ -172,6 +172,7 @@ def squared_vjp_sum(
     budget: int | None = None,
     out: Tensor | None = None,
     row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
+    atomic: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -196,7 +197,10 @@ def squared_vjp_sum(
     routes). With ``out`` (P,) the sums are added to it in place (it is returned), so no
     P-sized temporaries are formed besides the check of the route.
     A subnetwork's sums are its entries of the support tensors' sums (one P_support
-    temporary).
+    temporary). ``atomic``: ``out`` changes only if the batch's sums are complete and finite
+    (else it is left as it was and the error raised): a chain of linear layers defers its
+    additions to the end of the batch and checks them first (no P-sized temporary); every
+    other route sums into a temporary added at the end.
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
@@ -220,8 +224,19 @@ def squared_vjp_sum(
         # the K vectors in one batched backward pass (an nn.Sequential of supported modules)
         views = _param_views(model, subset, out)
         chained = chain_squared_sums(
-            model, x, linears, cotangents, views, chunk_size, out.numel(), row_cotangents
+            model,
+            x,
+            linears,
+            cotangents,
+            views,
+            chunk_size,
+            out.numel(),
+            row_cotangents,
+            atomic=atomic,
         )
+    total = out
+    if chained is None and atomic:
+        out = torch.zeros_like(total)  # summed apart, added once complete and finite
     if chained is not None:
         f = chained
     elif not linears or (budget is None and chunk_size is None):
@@ -243,6 +258,8 @@ def squared_vjp_sum(
             for sl in chunk_slices(n, chunk):
                 _add_squared_sums(model, x[sl], subset, linears, u[sl], chunk_size, out)
     _check_finite(out, subset, model)
+    if out is not total:
+        out = total.add_(out)
     return out, f
 
 

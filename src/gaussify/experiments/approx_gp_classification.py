@@ -95,7 +95,7 @@ MAX_TRAIN: dict[str, int] = {"letter": 390}
 DEFAULT_MAX_TRAIN = 500
 DEFAULT_MAX_TEST = 1000
 #: ``alpha_eps`` values tried per split and method (selected on the training log-likelihood).
-ALPHA_GRID: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2, 0.5)
+ALPHA_GRID: tuple[float, ...] = (0.001, 0.003, 0.01, 0.05, 0.1, 0.2, 0.5)
 QUICK_ALPHA_GRID: tuple[float, ...] = (0.1, 0.5)
 #: Criteria that pick ``alpha_eps`` from the grid: the log-likelihood of the MC predictive on
 #: the training points (the paper's) or on the split's validation part (at most ``max_test``).

@@ -1,0 +1,371 @@
+"""The diagonal GGN / EF of a chain's linear and convolution layers from one batched backward
+pass (:mod:`gaussify.curvature.batched_backward`): sum_n sum_k (per-sample gradient of
+u_{n,k}^T f_n)^2, squared and summed per layer (thesis eq. 2.24 on the diagonal).
+
+Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta_{k,n}^2) a_n^2 (the sums over K buffered
+per batch or reduced per chunk); convolution: the per-sample gradient sum_t delta_t a_t^T from
+the im2col patches, for groups of vectors (:func:`gaussify.curvature.batched_backward.
+conv_vector_group`). The plan of the chunks follows the memory rule
+(:func:`gaussify.curvature.batched_backward.rule_chunk`) and an op-count cost model; on a
+chain of linear layers the batch's sums can be deferred and checked before they are added
+(``atomic``: no P-sized batch temporary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from gaussify.curvature.batched_backward import (
+    ChainPass,
+    backward_chunk,
+    chain_forward,
+    conv_vector_group,
+    module_chain,
+    rule_chunk,
+    rule_columns,
+)
+from gaussify.curvature.patches import conv2d_patches
+from gaussify.likelihoods import all_finite
+
+__all__ = ["chain_squared_sums"]
+
+
+def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
+    """sum_{k,n} (sum_t delta_{k,n,t} a_{n,t}^T)^2, shape (C_out, C_in / G * kh * kw), from the
+    patches (B, C_in kh kw, T) and d (B, K, C_out, H_out, W_out): one batched matmul over
+    (sample, group) of the stacked gradients (K' out/G, T) with the patches (T, in/G) per
+    group of K' = :func:`conv_vector_group` vectors (the K' per-sample weight gradients are
+    at most about the size of the K gradients d)."""
+    b, k, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
+    per = conv.out_channels // groups
+    a = patches.view(b * groups, patches.shape[1] // groups, t).transpose(1, 2)
+    step = conv_vector_group(conv, k, d[0, 0].numel())
+    total = None
+    for k0 in range(0, k, step):
+        part = d[:, k0 : k0 + step]
+        kk = part.shape[1]
+        dd = part.reshape(b, kk, groups, per, t).transpose(1, 2).reshape(b * groups, kk * per, t)
+        sums = torch.bmm(dd, a).view(b, groups, kk, per, -1).square_().sum((0, 2))
+        total = sums if total is None else total.add_(sums)
+    assert total is not None
+    return total.reshape(conv.out_channels, -1)
+
+
+def chain_squared_sums(
+    model: nn.Module,
+    x: Tensor,
+    layers: dict[str, list[str]],
+    cotangents: Callable[[Tensor], Tensor],
+    view: Callable[[str], Tensor],
+    chunk_size: int | None,
+    storage: int,
+    row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
+    atomic: bool = False,
+) -> Tensor | None:
+    """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
+    linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
+    added into ``view(parameter name)``; returns f (N, C), or None (before ``cotangents`` is
+    called). ``row_cotangents(f[rows], rows)``, if given, forms the vectors per chunk of
+    samples instead (the exact GGN's N C^2 factor is far larger than a training step for
+    many classes); it must equal ``cotangents(f)[rows]``. None is returned
+    when the model is not a supported chain or a linear layer's input is not 2-D.
+
+    Linear: sum_{k,n} delta^2 a^2 = sum_n (sum_k delta_{k,n}^2) a_n^2 and the bias
+    sum_n sum_k delta^2. Convolution: the per-sample gradient sum_t delta_t a_t^T (im2col
+    patches) is formed for the K vectors of a chunk of samples at once, squared and summed.
+
+    Chunks of samples (``chunk_size`` if given) keep the pass within the memory rule: a fit's
+    peak <= 2 x (one training step's peak + the curvature's storage). The forward activations
+    of the batch are what a training step holds too; the K-fold backward tensors of a chunk get
+    the rest of that budget (:func:`rule_chunk`)."""
+    chain = module_chain(model)
+    if chain is None or not layers:
+        return None
+    names = {n for n, _ in chain}
+    if not set(layers) <= names:
+        return None
+    run = chain_forward(chain, x)
+    f = run.output
+    n = x.shape[0]
+    wanted = {run.position(m): m for m in layers}
+    for i in wanted:
+        if type(run.chain[i][1]) is nn.Linear and run.acts[i].ndim != 2:
+            return None
+    if atomic and any(type(run.chain[i][1]) is not nn.Linear for i in wanted):
+        return None  # deferred additions are for linear layers: the caller sums apart
+    if f.ndim != 2 or f.shape[0] != n:
+        return None
+    if row_cotangents is None:
+        whole = cotangents(f)
+        if whole.ndim != 3 or whole.shape[0] != n or whole.shape[2] != f.shape[1]:
+            raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(whole.shape)}")
+
+        def vectors(rows: slice) -> Tensor:
+            return whole[rows]
+    else:
+
+        def vectors(rows: slice) -> Tensor:
+            return row_cotangents(f[rows], rows)
+
+    k = vectors(slice(0, 1)).shape[1]
+    rowwise = row_cotangents is not None
+    # the (N, out) sums over K of the squared gradients of the linear layers, reduced once per
+    # batch, where holding them costs few more chunks (they pay where chunks are small)
+    sums = sum(n * run.acts[i + 1][0].numel() for i in wanted if type(chain[i][1]) is nn.Linear)
+    if chunk_size is not None:
+        chunk, cols, buffered, whole_rows = chunk_size, k, True, not rowwise
+        staged = False  # buffered: the additions deferred and checked
+        if rowwise and chunk < n:
+            fits = rule_chunk(run, model, k, storage, wanted, copies=2, buffers=sums, floor=0)
+            whole_rows = fits >= chunk
+    else:
+        cost, plan = _plan(run, model, k, storage, wanted, rowwise, sums)
+        if atomic:
+            # no batch temporary, the sums deferred to the end of the batch (buffered), where
+            # that is cheaper than summing the batch apart (the batch's temporary: copies=2)
+            deferred = _plan(run, model, k, storage, wanted, rowwise, sums, 1, True)
+            staged = deferred[0] > cost
+            plan = plan if staged else deferred[1]
+        chunk, cols, buffered, whole_rows = plan
+    if rowwise and (whole_rows or chunk >= n):
+        # the vectors of the whole batch fit beside the chunks: form them once
+        whole = vectors(slice(0, n))
+
+        def vectors(rows: slice) -> Tensor:
+            return whole[rows]
+
+    with torch.no_grad():
+        if atomic and staged:  # summed apart, added once complete and finite
+            views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
+            _accumulate_squares(
+                run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols
+            )
+            _add_staged(views, view)
+        else:
+            _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered, cols, atomic)
+    return f
+
+
+#: the rough cost, in tensor operations, of the steps of a chunk (each costs some 5-20 us of
+#: fixed overhead on the CPU, which dominates the small products of small chunks): the
+#: output vectors formed per chunk, a linear layer's reduction buffered (a product and a sum
+#: into the batch's buffer) or not (the squared inputs and two products per chunk), a
+#: product per module, the batch's reductions of the buffers
+_COST_VECTORS, _COST_BUFFERED, _COST_PLAIN, _COST_MODULE, _COST_BUFFER = 12, 2, 8, 3, 5
+
+
+def _plan(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    wanted: dict[int, str],
+    rowwise: bool,
+    sums: int,
+    copies: int = 2,
+    buffered_only: bool = False,
+) -> tuple[float, tuple[int, int, bool, bool]]:
+    """(cost, (samples per chunk, vectors per pass, linear sums buffered per batch, output
+    vectors formed for the whole batch)) for :func:`chain_squared_sums` under the memory
+    rule: of the
+    settings whose chunks hold at least one sample, the one with the fewest tensor operations
+    by the cost model above (more, smaller chunks cost their fixed overheads; the vectors
+    formed once or the buffers take budget from the chunks); where none does, one sample
+    per chunk and groups of vectors (:func:`rule_columns`). ``copies``: storage-sized tensors
+    held (2 with the diagonal's batch temporary); ``buffered_only``: the linear sums always
+    buffered (deferred to the end of the batch)."""
+    n = run.acts[0].shape[0]
+    linear = sum(type(run.chain[i][1]) is nn.Linear for i in wanted)
+    others = len(wanted) - linear
+    passes = len(run.chain) - min(wanted)
+    best: tuple[float, tuple[int, int, bool, bool]] | None = None
+    for whole in (False, True) if rowwise else (True,):
+        for buffers in (sums,) if buffered_only else (0, sums) if sums else (0,):
+            c = rule_chunk(
+                run,
+                model,
+                k,
+                storage,
+                wanted,
+                rowwise=not whole,
+                copies=copies,
+                buffers=buffers,
+                floor=0,
+            )
+            if c == 0:
+                continue
+            chunks = -(-n // c)
+            per_chunk = passes * _COST_MODULE + others * _COST_PLAIN
+            per_chunk += linear * (_COST_BUFFERED if buffers else _COST_PLAIN)
+            per_chunk += 0 if whole else _COST_VECTORS
+            fixed = (_COST_VECTORS if whole else 0) + (linear * _COST_BUFFER if buffers else 0)
+            cost = chunks * per_chunk + fixed
+            if best is None or cost < best[0]:
+                best = (cost, (min(c, n), k, buffers > 0, whole))
+    if best is not None:
+        return best
+    # one sample with all K vectors exceeds the rule: groups of K' vectors per pass
+    buffers = sums if buffered_only else 0
+    cols = rule_columns(
+        run, model, k, storage, wanted, rowwise=rowwise, copies=copies, buffers=buffers
+    )
+    per_chunk = passes * _COST_MODULE + others * _COST_PLAIN + linear * _COST_PLAIN
+    return n * -(-k // cols) * per_chunk + n * _COST_VECTORS, (1, cols, buffered_only, False)
+
+
+def _accumulate_squares(
+    run: ChainPass,
+    vectors: Callable[[slice], Tensor],
+    layers: dict[str, list[str]],
+    wanted: dict[int, str],
+    view: Callable[[str], Tensor],
+    chunk: int,
+    buffered: bool,
+    cols: int | None = None,
+    atomic: bool = False,
+) -> None:
+    """The chunked backward passes of :func:`chain_squared_sums` and their squared sums, in
+    groups of ``cols`` output vectors (all K if None; the sums over K add up over groups).
+
+    A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
+    s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
+    per chunk into an (N, out) buffer and reduced once per batch (two products per chunk
+    instead of eight)."""
+    f = run.output
+    n = f.shape[0]
+    # module position -> {"weight" / "bias": the view of ``out`` holding it}, once
+    targets: dict[int, dict[str, Tensor]] = {}
+    for i, name in wanted.items():
+        prefix = f"{name}." if name else ""
+        targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
+    linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
+    squares = {i: f.new_empty(n, run.acts[i + 1].shape[1]) for i in linear} if buffered else {}
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        whole = vectors(rows)
+        if whole.dtype != f.dtype:
+            whole = whole.to(f.dtype)
+        step = cols or whole.shape[1]
+        for c0 in range(0, whole.shape[1], step):
+            ut = whole if step >= whole.shape[1] else whole[:, c0 : c0 + step]
+            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, c0 == 0)
+            del ut  # the chunk's K-fold tensors, before the per-batch reductions
+        del whole
+    if atomic:
+        _add_checked(run, squares, targets, wanted)
+        return
+    for i, sq in squares.items():
+        _add_linear_squares(targets[i], sq, run.acts[i])
+
+
+def _names(layers: dict[str, list[str]]) -> list[str]:
+    """Parameter names ("module.weight") of ``layers`` (module name -> parameter kinds)."""
+    return [f"{m}.{kind}" if m else kind for m, kinds in layers.items() for kind in kinds]
+
+
+def _add_staged(staged: dict[str, Tensor], view: Callable[[str], Tensor]) -> None:
+    """Add the batch's sums summed apart into ``view(name)`` once all are finite, else raise
+    naming the first parameter that is not (the targets left as they were)."""
+    for name, t in staged.items():
+        if not all_finite(t):
+            _raise_not_finite(name, t)
+    for name, t in staged.items():
+        view(name).add_(t)
+
+
+def _raise_not_finite(name: str, t: Tensor) -> None:
+    module = name.rpartition(".")[0]
+    kind = "NaN" if bool(t.isnan().any()) else "infinite"
+    raise ValueError(
+        f"{kind} Jacobian in parameter {name!r} (module {module or '<root>'!r}, Linear): the "
+        "network is not differentiable at the current parameters (e.g. sqrt or norm at "
+        "zero); curvature cannot be computed"
+    )
+
+
+def _add_checked(
+    run: ChainPass,
+    squares: dict[int, Tensor],
+    targets: dict[int, dict[str, Tensor]],
+    wanted: dict[int, str],
+) -> None:
+    """Add the linear layers' buffered sums only if every addition is finite, else raise and
+    leave the targets as they were. Sums of non-negative products of finite factors are at
+    most N max(s) max(a^2): where that bound (plus the targets' largest entry) is far from
+    the dtype's largest number, they are added directly; otherwise each addition is formed
+    apart and checked first (a layer-sized temporary each, only then)."""
+    n = run.acts[0].shape[0]
+    safe = True
+    for i, sq in squares.items():
+        # one min/max reduction each: NaN and inf propagate into them
+        s_hi = float(torch.aminmax(sq)[1]) if sq.numel() else 0.0
+        a_lo, a_hi = (float(v) for v in torch.aminmax(run.acts[i]))
+        top = max(float(t.max()) if t.numel() else 0.0 for t in targets[i].values())
+        bound = n * s_hi * max(-a_lo, a_hi) ** 2 + top
+        if not bound < torch.finfo(sq.dtype).max / 4:  # False for NaN and inf too
+            safe = False
+            break
+    if safe:
+        for i, sq in squares.items():
+            _add_linear_squares(targets[i], sq, run.acts[i])
+        return
+    parts = {}
+    for i, sq in squares.items():
+        temps = {key: torch.zeros_like(view) for key, view in targets[i].items()}
+        _add_linear_squares(temps, sq, run.acts[i])
+        for key, t in temps.items():
+            if not all_finite(t):
+                _raise_not_finite(f"{wanted[i]}.{key}" if wanted[i] else key, t)
+        parts[i] = temps
+    for i, temps in parts.items():
+        for key, t in temps.items():
+            targets[i][key].add_(t)
+
+
+def _reduce_chunk(
+    run: ChainPass,
+    ut: Tensor,
+    rows: slice,
+    wanted: dict[int, str],
+    targets: dict[int, dict[str, Tensor]],
+    linear: set[int],
+    squares: dict[int, Tensor],
+    buffered: bool,
+    first: bool = True,
+) -> None:
+    """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
+    its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
+    ``squares``, written by the ``first`` group of vectors and added to by the others)."""
+    for i, d in backward_chunk(run, ut, list(wanted), rows):
+        if i in linear:
+            if buffered and first:
+                torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
+            elif buffered:
+                squares[i][rows].add_((d * d).sum(1))
+            else:
+                _add_linear_squares(targets[i], (d * d).sum(1), run.acts[i][rows])
+            continue
+        module, views = run.chain[i][1], targets[i]
+        assert isinstance(module, nn.Conv2d)
+        if "weight" in views:
+            w = views["weight"]
+            a = run.acts[i][rows]
+            sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
+            w.view(module.out_channels, -1).add_(sums.to(w.dtype))
+        if "bias" in views:
+            b = views["bias"]
+            per = d.sum((-2, -1))
+            b.add_((per * per).sum((0, 1)).to(b.dtype))
+
+
+def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:
+    """Add s^T (a^2) to a linear layer's weight view and sum_n s_n to its bias view, for
+    s (B, out) the per-sample sums over K of the squared output gradients, a (B, in)."""
+    if "weight" in views:
+        w = views["weight"]
+        w.addmm_(sq.T.to(w.dtype), (a * a).to(w.dtype))
+    if "bias" in views:
+        views["bias"].add_(sq.sum(0).to(views["bias"].dtype))

@@ -3,14 +3,16 @@ weight tying): the network as a function of the flat vector of its unique parame
 (``model.parameters()`` order, a tied tensor once), its per-sample Jacobian by
 ``torch.func.jacrev`` with every fused kernel off, the GGN, the Laplace log evidence without
 the non-MAP correction and the GLM predictive covariance. Written independently of gaussify's
-Jacobian code."""
+Jacobian code; :func:`assert_laplace_matches` is the one comparison with ``gaussify.Laplace``."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
@@ -88,3 +90,27 @@ def glm_cov(
     a = g + delta * torch.eye(g.shape[0], dtype=g.dtype)
     jac = jacobian(model, x)
     return torch.einsum("nci,ij,ndj->ncd", jac, torch.linalg.inv(a), jac)
+
+
+def assert_laplace_matches(
+    model: nn.Module, x: Tensor, y: Tensor, xt: Tensor, structure: str, delta: float
+) -> Any:
+    """Fit ``gaussify.Laplace(correction=False)`` (lowrank at full rank P) and assert that its
+    log evidence and GLM predictive covariance at ``xt`` equal the brute force; returns the
+    prediction at ``xt``."""
+    import gaussify as gs  # the oracles above do not use gaussify
+
+    p = sum(q.numel() for q in model.parameters())
+    kw = {"rank": p} if structure == "lowrank" else {}
+    la = gs.Laplace(
+        model, "classification", structure=structure, prior_precision=delta, correction=False, **kw
+    ).fit((x, y))
+    diag = structure == "diag"
+    assert float(la.log_marginal_likelihood()) == pytest.approx(
+        log_evidence(model, x, y, delta, diag=diag), rel=1e-10, abs=1e-9
+    )
+    pred = la.predict(xt)
+    torch.testing.assert_close(
+        pred.f_cov, glm_cov(model, x, xt, delta, diag=diag), atol=1e-10, rtol=1e-8
+    )
+    return pred

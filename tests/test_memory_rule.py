@@ -11,10 +11,12 @@ with C = 10 at batch 256 (the transposed convolution's workspace was not counted
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.profiler import ProfilerActivity, profile
 
 from gaussify.curvature import make_curvature
 from gaussify.curvature.batched_backward import (
@@ -25,6 +27,11 @@ from gaussify.curvature.batched_backward import (
     rule_chunk,
     rule_columns,
 )
+
+#: the benchmark's measurement of a peak (torch.profiler allocation events), not a copy of it
+alloc_peak = runpy.run_path(
+    str(Path(__file__).resolve().parents[1] / "benchmarks" / "curvature_fits.py")
+)["alloc_peak"]
 
 
 def cnn(c: int) -> nn.Sequential:
@@ -38,18 +45,6 @@ def cnn(c: int) -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(16 * 4 * 4, c),
     ).eval()
-
-
-def alloc_peak(fn) -> tuple[object, int]:  # type: ignore[no-untyped-def]
-    """(fn(), the peak of torch's live CPU allocations above the start, bytes)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-    live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        live += nbytes
-        peak = max(peak, live)
-    return out, peak
 
 
 def train_step(model: nn.Module, x: Tensor, y: Tensor) -> None:

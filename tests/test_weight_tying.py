@@ -68,23 +68,7 @@ def test_tied_model_matches_the_bruteforce_jacobian(structure: str, head_first: 
     torch.manual_seed(0)
     model = TiedLM(head_first=head_first).double().eval()
     x, y, xt = _data()
-    p = sum(q.numel() for q in model.parameters())
-    kw = {"rank": p} if structure == "lowrank" else {}
-    la = gs.Laplace(
-        model,
-        "classification",
-        structure=structure,
-        prior_precision=DELTA,
-        correction=False,
-        **kw,
-    ).fit((x, y))
-    diag = structure == "diag"
-    assert float(la.log_marginal_likelihood()) == pytest.approx(
-        bf.log_evidence(model, x, y, DELTA, diag=diag), rel=1e-10, abs=1e-9
-    )
-    torch.testing.assert_close(
-        la.predict(xt).f_cov, bf.glm_cov(model, x, xt, DELTA, diag=diag), atol=1e-10, rtol=1e-8
-    )
+    bf.assert_laplace_matches(model, x, y, xt, structure, DELTA)
 
 
 @pytest.mark.parametrize(

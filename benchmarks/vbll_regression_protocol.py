@@ -3,14 +3,24 @@
 
     pip install --no-deps vbll          # pure Python; never let pip pull another torch
     OMP_NUM_THREADS=1 python benchmarks/vbll_regression_protocol.py [--datasets boston ...]
-        [--seeds 3] [--first-seed 0] [--epochs 150] [--methods ...] [--jobs 2]
+        [--seeds 20] [--first-seed 0] [--epochs 150] [--methods ...] [--jobs 2]
         [--output benchmarks/results/vbll_regression_protocol.json]
     # parts run separately are combined with: --merge part1.json part2.json ...
+
+The committed file is three parts run side by side on one 16-core machine (each record is one
+single-threaded process), merged:
+
+    --seeds 20 --methods gaussify gaussify_wzero vbll_ws1.0 --jobs 9
+    --seeds 10 --methods gaussify_vbllcov gaussify_wstd1 gaussify_vbllinit --jobs 4
+    --seeds 5 --methods vbll_ws0.01 vbll_ws0.1 vbll_ws10.0 --jobs 3
 
 Cost: one run is 2,250 Adam steps on boston, 3.3 s of CPU for ours and 5.0 s for the package
 (each record's ``cpu_seconds``; ``seconds`` is wall time, which on a loaded shared machine is
 10-20 times longer). ``--jobs N`` runs N worker processes of one torch thread each. Runs are
-deterministic (one thread, CPU), so a part rerun on unchanged code reproduces its records.
+deterministic (one thread, CPU), so a part rerun on unchanged code reproduces its records on the
+same machine and torch version (another torch version moves a record by round-off, up to about
+0.01 in test NLL after 150 epochs). The JSON's ``machine`` names the processor, the CPU count
+and the load when it was written.
 
 Protocol (both libraries in the same process, paired): for each data set and seed ``s``,
 ``gaussify.data.load(name, seed=s)`` (standardised inputs and targets; the training part only,
@@ -37,8 +47,11 @@ Heads:
   factor of ``S``: log-diagonal ``N(-log(D)/2, 1)``, off-diagonal ``N(0, 1/D^2)``; ours
   ``S = I/D``), ``gaussify_cov{k}`` (``S = k I / D``), ``gaussify_vbllinit`` (both of the
   package's scales); any head with the suffix ``_headnowd`` (no weight decay on the head's
-  parameters, 1e-2 on the body: the package tutorial's parameter groups) or ``_f64`` (float64
-  throughout: the size of round-off chaos over the run);
+  parameters, 1e-2 on the body: the package tutorial's parameter groups), ``_f64`` (float64
+  throughout: the size of round-off chaos over the run) or ``_redraw`` (the same head from
+  another random draw: the generator is reseeded from its own stream before the head is built,
+  so the body and batches are unchanged; ``vbll_ws1.0_redraw`` against ``vbll_ws1.0`` measures
+  how much the package's result depends on which start it happened to draw);
 * ``vbll_ws{w}``: ``vbll.Regression(50, 1, 1/N, wishart_scale=w)`` at the package's other
   defaults (prior variance ``1 / D``, ``dof=1``) for ``w`` in 0.01, 0.1, 1, 10. The package
   initialises ``log sigma ~ N(0, log(w)^2)``: away from ``w = 1`` the starting noise is a random
@@ -57,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -100,6 +114,10 @@ def make_head(method: str, num_train: int) -> nn.Module:
     (``*_headnowd``, ``*_f64``) use the head of the name before the suffix."""
     for suffix in ("_headnowd", "_f64"):
         method = method.removesuffix(suffix)
+    if method.endswith("_redraw"):
+        # the same head from another random draw: the generator reseeded from its own stream
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+        method = method.removesuffix("_redraw")
     if method == "gaussify":
         return VBLLRegression(WIDTH, 1, 1.0 / num_train)
     if method == "gaussify_prior1":
@@ -271,6 +289,10 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for method in by_method:  # one factor per row: paired against the defaults
                 if method != "gaussify":
                     rows.append(_paired_row(name, method, "gaussify", nll))
+        for method in by_method:  # a redrawn start against the same head's own start
+            base = method.removesuffix("_redraw")
+            if method != base and base in by_method:
+                rows.append(_paired_row(name, method, base, nll))
         vbll_rows = [
             r for m, r in by_method.items() if m.startswith("vbll_ws") and "_" not in m[7:]
         ]
@@ -298,7 +320,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=20, help="the paper's 20 (App. G.2)")
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first .. first+n-1")
     parser.add_argument("--epochs", type=int, default=150)
     parser.add_argument(
@@ -358,6 +380,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def machine() -> dict[str, Any]:
+    """Where the records were computed: processor, CPU count and the load at the time of
+    writing (the 1-minute load average; ``None`` where the platform has none)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"processor": model, "cpus": os.cpu_count(), "load_1min": load}
+
+
 def _write(args: argparse.Namespace, records: list[dict[str, Any]], runtime: float) -> list:
     """Write the JSON (after every head, so an interrupted run keeps what it finished)."""
     rows = summarise(records)
@@ -367,6 +402,7 @@ def _write(args: argparse.Namespace, records: list[dict[str, Any]], runtime: flo
         f"{args.epochs} epochs, no clipping, no early stopping; standardised units; "
         "seeds per data set and head in num_seeds; paired (same body init and batch order per "
         "seed)",
+        "machine": machine(),
         "versions": {
             "torch": torch.__version__,
             "vbll": version("vbll"),

@@ -1,0 +1,163 @@
+"""A/B of the h17-small changes to the batched diagonal / KFAC fits, in one process.
+
+For each case of ``curvature_fits.py`` (its models, data and fits), gaussify's fit with this
+branch's code ("new") and with the changes switched off ("old": the code paths of main), run
+interleaved in the same process, median of ``--repeats`` (wall and CPU time of the process),
+values compared (max relative difference of diag(G) / the Kronecker factors). On a shared,
+loaded machine the ratio old / new is what to read, not the levels: both sides see the same
+load. The 1-minute load average is recorded at the start and the end.
+
+Switches (each one off in "old"):
+
+* ``sqrt_factor``: the exact GGN's Lambda^{1/2} as a structured factor (diag(s) - q s^T,
+  :mod:`gaussify.curvature.sqrt_factor`): 2 C numbers per sample instead of C^2 and the final
+  linear layer's product in O(C d).
+
+```bash
+python benchmarks/h17_small_ab.py                     # the exact-GGN cases below 1.5x
+python benchmarks/h17_small_ab.py --cases mlp/32/100/diag --repeats 7
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import curvature_fits as cf
+
+import gaussify.curvature.base as cbase
+import gaussify.curvature.kron as ckron
+
+OUT = Path(__file__).resolve().parent / "results" / "h17_small_ab.json"
+CASES = (
+    "mlp/32/100/diag",
+    "mlp/32/100/kron",
+    "mlp/256/2/diag",
+    "mlp/256/10/diag",
+    "mlp/256/2/kron",
+    "mlp/256/10/kron",
+    "mlp/32/10/diag",
+    "cnn/32/2/diag",
+    "cnn/32/10/diag",
+    "cnn/32/10/kron",
+    "cnn/32/100/diag",
+    "cnn/32/100/kron",
+    "cnn/256/2/kron",
+    "cnn/256/10/diag",
+)
+
+
+@contextlib.contextmanager
+def old_code() -> Iterator[None]:
+    """Every h17-small switch off: the structured factor is never formed."""
+    saved = cbase.sqrt_factor, ckron.sqrt_factor
+
+    def none(likelihood: object, f: torch.Tensor) -> None:
+        return None
+
+    cbase.sqrt_factor = ckron.sqrt_factor = none
+    try:
+        yield
+    finally:
+        cbase.sqrt_factor, ckron.sqrt_factor = saved
+
+
+def values(case: dict[str, Any], curv: Any) -> torch.Tensor:
+    if case["structure"] == "diag":
+        return curv.ggn_diag
+    return torch.cat(
+        [t.flatten() for d in (curv._a, curv._b) for t in d.values()]
+        + [torch.tensor([float(m) for m in curv._m.values()])]
+    )
+
+
+def run_case(name: str, repeats: int, device: str = "cpu") -> dict[str, Any]:
+    model, batch, c, structure = name.split("/")
+    case = cf._case(model, int(batch), int(c), structure, "ggn", "all")
+    net = cf.build_model(model, int(c)).eval().to(device)
+    x, y = cf.load_data(model, int(c), torch.float32, device)
+    loader = DataLoader(TensorDataset(x, y), batch_size=int(batch))
+
+    def fit() -> Any:
+        return cf.gaussify_fit(case, net, loader)
+
+    times: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+    for side in ("old", "new"):  # warm-up
+        with old_code() if side == "old" else contextlib.nullcontext():
+            fit()
+    for _ in range(repeats):
+        for side in ("old", "new"):
+            with old_code() if side == "old" else contextlib.nullcontext():
+                w0, c0 = time.perf_counter(), time.process_time()
+                fit()
+                times[side].append((time.perf_counter() - w0, time.process_time() - c0))
+    # agreement in float64 on two batches
+    net64 = cf.build_model(model, int(c)).eval().double().to(device)
+    rows = slice(0, 2 * int(batch))
+    loader64 = DataLoader(TensorDataset(x[rows].double(), y[rows]), int(batch))
+    new = values(case, cf.gaussify_fit(case, net64, loader64))
+    with old_code():
+        old = values(case, cf.gaussify_fit(case, net64, loader64))
+    diff = float((new - old).abs().max() / old.abs().max())
+
+    def med(side: str, j: int) -> float:
+        return sorted(t[j] for t in times[side])[repeats // 2]
+
+    row = {
+        "case": name,
+        "old_wall_s": med("old", 0),
+        "new_wall_s": med("new", 0),
+        "old_cpu_s": med("old", 1),
+        "new_cpu_s": med("new", 1),
+        "max_rel_diff_f64": diff,
+    }
+    row["speedup_wall"] = row["old_wall_s"] / row["new_wall_s"]
+    row["speedup_cpu"] = row["old_cpu_s"] / row["new_cpu_s"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (times only on the CPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    rows = []
+    for name in args.cases:
+        row = run_case(name, args.repeats, args.device)
+        rows.append(row)
+        print(
+            f"{name:18s} old {row['old_wall_s'] * 1e3:8.1f} ms  new {row['new_wall_s'] * 1e3:8.1f}"
+            f" ms  x{row['speedup_wall']:.2f} wall  x{row['speedup_cpu']:.2f} cpu"
+            f"  diff {row['max_rel_diff_f64']:.1e}",
+            flush=True,
+        )
+    result = {
+        "what": "h17-small A/B: this branch's fits vs the same code with its changes off "
+        "(main's paths), one process, interleaved, median of repeats, 1 thread",
+        "repeats": args.repeats,
+        "load_1min_start": load_start[0],
+        "load_1min_end": os.getloadavg()[0],
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,8 +10,9 @@ load. The 1-minute load average is recorded at the start and the end.
 Switches (each one off in "old"):
 
 * ``sqrt_factor``: the exact GGN's Lambda^{1/2} as a structured factor (diag(s) - q s^T,
-  :mod:`gaussify.curvature.sqrt_factor`): 2 C numbers per sample instead of C^2 and the final
-  linear layer's product in O(C d).
+  :mod:`gaussify.curvature.sqrt_factor`): 2 C numbers per sample instead of C^2, the final
+  linear layer's product in O(K d), and for softmax K = C - 1 vectors (a rank-(C - 1) root)
+  instead of C.
 
 ```bash
 python benchmarks/h17_small_ab.py                     # the exact-GGN cases below 1.5x
@@ -50,6 +51,8 @@ CASES = (
     "mlp/256/10/kron",
     "mlp/32/10/diag",
     "cnn/32/2/diag",
+    "cnn/32/2/kron",
+    "cnn/256/2/diag",
     "cnn/32/10/diag",
     "cnn/32/10/kron",
     "cnn/32/100/diag",

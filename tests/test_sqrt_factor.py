@@ -41,10 +41,10 @@ def outputs(c: int = 5, n: int = 6) -> torch.Tensor:
     return torch.randn(n, c, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
 
-@pytest.mark.parametrize("lik", LIKELIHOODS, ids=lambda x: type(x).__name__)
-def test_factor_is_the_likelihoods_hessian_sqrt(lik: object) -> None:
-    """dense() is (hessian_sqrt(f))^T, the output vectors u_k = L[:, k], in float64; so its
-    Gram is Lambda, and a group of columns is the same columns of L."""
+@pytest.mark.parametrize("lik", LIKELIHOODS[1:], ids=lambda x: type(x).__name__)
+def test_diagonal_factor_is_the_likelihoods_hessian_sqrt(lik: object) -> None:
+    """For a diagonal Lambda, dense() is (hessian_sqrt(f))^T, the output vectors
+    u_k = L[:, k], in float64; a group of columns / rows is the same columns / rows of L."""
     c = 6 if isinstance(lik, HeteroscedasticGaussian) else 5
     f = outputs(c)
     fac = sqrt_factor(lik, f)
@@ -53,8 +53,21 @@ def test_factor_is_the_likelihoods_hessian_sqrt(lik: object) -> None:
     torch.testing.assert_close(fac.dense(), dense, rtol=0, atol=1e-15)
     torch.testing.assert_close(fac.columns(1, 4).dense(), dense[:, 1:4], rtol=0, atol=1e-15)
     torch.testing.assert_close(fac.rows(slice(2, 5)).dense(), dense[2:5], rtol=0, atol=1e-15)
-    hess = lik.hessian(f)  # type: ignore[attr-defined]
-    torch.testing.assert_close(fac.dense().mT @ fac.dense(), hess, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("c", [2, 3, 10])
+def test_softmax_factor_has_c_minus_1_vectors_whose_gram_is_lambda(c: int) -> None:
+    """Categorical: C - 1 vectors with sum_k u_k u_k^T = diag(p) - p p^T in float64, also for
+    extreme probabilities (the last class near 1 or near 0, outputs spread over +-30)."""
+    f = outputs(c, n=8)
+    f[0, -1] = 30.0  # p_C ~ 1
+    f[1, -1] = -30.0  # p_C ~ 0
+    f[2] = torch.linspace(-30, 30, c, dtype=torch.float64)
+    fac = sqrt_factor(Categorical(), f)
+    assert isinstance(fac, SqrtFactor)
+    assert fac.shape == (8, c - 1, c)
+    dense = fac.dense()
+    torch.testing.assert_close(dense.mT @ dense, Categorical().hessian(f), rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("lik", LIKELIHOODS, ids=lambda x: type(x).__name__)

@@ -6,17 +6,18 @@ The exact GGN's output vectors are the columns of a factor L_n with L_n L_n^T = 
     L_n = diag(s_n) - q_n s_n^T,   column k: u_{n,k} = s_{n,k} (e_k - q_n),
 
 softmax: s = sqrt(p), q = p (``Categorical.hessian_sqrt``: L L^T = diag(p) - p p^T as
-sum(p) = 1); a diagonal Lambda (Gaussian, Bernoulli, heteroscedastic Gaussian): s =
-sqrt(diag Lambda), q = 0. Held as the two (N, C) tensors s and q, the K = C vectors cost
-2 C numbers per sample instead of C^2, and their product with a final ``nn.Linear``'s weight
-W (C, d), the first step of the backward pass, is
+sum(p) = 1), or the C - 1 columns of a rank-(C - 1) root (:func:`softmax_factor`, the one
+used: Lambda has rank C - 1); a diagonal Lambda (Gaussian, Bernoulli, heteroscedastic
+Gaussian): s = sqrt(diag Lambda), q = 0. Held as the two (N, C) tensors s and q, the K
+vectors cost 2 C numbers per sample instead of K C, and their product with a final
+``nn.Linear``'s weight W (C, d), the first step of the backward pass, is
 
-    u_{n,k}^T W = s_{n,k} (W_k - q_n^T W)     (B, K, d) in O(B C d), not O(B C^2 d),
+    u_{n,k}^T W = s_{n,k} (W_k - q_n^T W)     (B, K, d) in O(B K d), not O(B K C d),
 
 with the layer's own reduction sum_k u_{n,k,c}^2 = q_c^2 sum_k s_k^2 + s_c^2 (1 - 2 q_c)
 (the diagonal of Lambda_n for all K vectors) in O(B C). Any square root gives the same
-diagonal GGN and Kronecker factors (they depend on L L^T only); this one is the dense
-``hessian_sqrt`` of the likelihood, so the values equal the dense route's to round-off.
+diagonal GGN and Kronecker factors (they depend on L L^T only), so the values equal the
+dense route's to round-off.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from gaussify.likelihoods import Bernoulli, Categorical, Gaussian, HeteroscedasticGaussian
 
-__all__ = ["SqrtFactor", "sqrt_factor"]
+__all__ = ["SqrtFactor", "softmax_factor", "sqrt_factor"]
 
 #: likelihoods whose ``hessian_sqrt`` is diag_embed(sqrt(hessian_diag)) (q = 0)
 _DIAGONAL = (Gaussian, Bernoulli, HeteroscedasticGaussian)
@@ -114,7 +115,28 @@ def sqrt_factor(likelihood: object, f: Tensor) -> SqrtFactor | None:
     kind = type(likelihood)
     if kind is Categorical:
         p = likelihood.inverse_link(f)  # softmax, with f's checks
-        return SqrtFactor(p.sqrt(), p)
+        return softmax_factor(p)
     if kind in _DIAGONAL:
         return SqrtFactor(likelihood.hessian_diag(f).sqrt(), None)  # type: ignore[attr-defined]
     return None
+
+
+def softmax_factor(p: Tensor) -> SqrtFactor:
+    """The C - 1 vectors of a rank-(C - 1) square root of Lambda = diag(p) - p p^T (softmax
+    probabilities p (N, C), C >= 2): u_k = sqrt(p_k) (e_k - q), k < C, with
+    q_c = p_c / (1 + sqrt(p_C)) for c < C and q_C = sqrt(p_C).
+
+    Derivation: Lambda 1 = 0, so v^T Lambda v = w^T Lambda_11 w for w = T v, T = [I, -1]
+    ((C - 1) x C): Lambda = T^T Lambda_11 T with Lambda_11 = diag(p') - p' p'^T (the leading
+    block, p' = p_{1..C-1}) = D^1/2 (I - a a^T) D^1/2, D = diag(p'), a = sqrt(p'),
+    |a|^2 = 1 - p_C. Its square root D^1/2 (I - alpha a a^T) needs 2 alpha - alpha^2 |a|^2 = 1:
+    alpha = 1 / (1 + sqrt(p_C)); L = T^T D^1/2 (I - alpha a a^T) has the columns above
+    (the last row: -sqrt(p_k) (1 - alpha (1 - p_C)) = -sqrt(p_k) sqrt(p_C)). One vector
+    fewer than ``Categorical.hessian_sqrt``'s C: half the backward pass for C = 2."""
+    c = p.shape[1]
+    if c < 2:
+        return SqrtFactor(p.sqrt(), p)
+    root_last = p[:, -1:].sqrt()
+    q = p / (1 + root_last)
+    q[:, -1:] = root_last
+    return SqrtFactor(p.sqrt(), q, 0, c - 1)

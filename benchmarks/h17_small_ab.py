@@ -12,7 +12,9 @@ Switches (each one off in "old"):
 * ``sqrt_factor``: the exact GGN's Lambda^{1/2} as a structured factor (diag(s) - q s^T,
   :mod:`gaussify.curvature.sqrt_factor`): 2 C numbers per sample instead of C^2, the final
   linear layer's product in O(K d), and for softmax K = C - 1 vectors (a rank-(C - 1) root)
-  instead of C.
+  instead of C;
+* ``conv_gram``: KFAC's input factor of a stride-1 convolution from shifted products
+  (:mod:`gaussify.curvature.conv_gram`) instead of the im2col patches' product.
 
 ```bash
 python benchmarks/h17_small_ab.py                     # the exact-GGN cases below 1.5x
@@ -40,6 +42,7 @@ import curvature_fits as cf
 
 import gaussify.curvature.base as cbase
 import gaussify.curvature.kron as ckron
+import gaussify.curvature.kron_grams as cgrams
 
 OUT = Path(__file__).resolve().parent / "results" / "h17_small_ab.json"
 CASES = (
@@ -64,17 +67,19 @@ CASES = (
 
 @contextlib.contextmanager
 def old_code() -> Iterator[None]:
-    """Every h17-small switch off: the structured factor is never formed."""
-    saved = cbase.sqrt_factor, ckron.sqrt_factor
+    """Every h17-small switch off: the structured factor is never formed, the convolutions'
+    input factors come from their patches."""
+    saved = cbase.sqrt_factor, ckron.sqrt_factor, cgrams.shift_gram_applies
 
     def none(likelihood: object, f: torch.Tensor) -> None:
         return None
 
     cbase.sqrt_factor = ckron.sqrt_factor = none
+    cgrams.shift_gram_applies = lambda conv, inp: False
     try:
         yield
     finally:
-        cbase.sqrt_factor, ckron.sqrt_factor = saved
+        cbase.sqrt_factor, ckron.sqrt_factor, cgrams.shift_gram_applies = saved
 
 
 def values(case: dict[str, Any], curv: Any) -> torch.Tensor:

@@ -27,6 +27,7 @@ from gaussify.curvature.batched_backward import (
     rule_columns,
     structured_chain,
 )
+from gaussify.curvature.conv_gram import conv_input_gram, shift_gram_applies
 from gaussify.curvature.patches import conv2d_patches
 from gaussify.curvature.sqrt_factor import SqrtFactor
 
@@ -187,8 +188,13 @@ def input_gram(
     weight in the block, bias in the block). Chunks of samples keep the block inputs (a
     convolution's im2col patches are about kh kw times its input; 3 copies of them are alive
     at once, measured) within ``budget`` elements (the memory rule's,
-    :func:`chain_input_budget`), else near the input's size."""
+    :func:`chain_input_budget`), else near the input's size. A stride-1 convolution's
+    "expand" factor comes from shifted products instead of its patches where that is
+    cheaper (:mod:`gaussify.curvature.conv_gram`)."""
     path, use_weight, use_bias = block
+    if approx == "expand" and shift_gram_applies(module, inp):
+        assert isinstance(module, nn.Conv2d)
+        return conv_input_gram(module, inp, use_weight, use_bias, out, budget)
     n = inp.shape[0]
     per_sample = layer_inputs(module, inp[:1], path).numel() + 1
     if budget is None:

@@ -111,3 +111,26 @@ def test_kfac_fit_uses_the_shifted_route_with_the_patches_factors(
         torch.testing.assert_close(curv._a[key], ref._a[key], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(curv._b[key], ref._b[key], rtol=1e-12, atol=1e-15)
         assert curv._m[key] == ref._m[key]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ),
+    ],
+)
+def test_shifted_gram_on_the_inputs_device(device: str) -> None:
+    """The factor is formed on the input's device (the indicator and index tensors too) and
+    equals the patches' Gram there."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 4, 3, padding=1).double().to(device)
+    x = torch.randn(7, 6, 5, 6, dtype=torch.float64, device=device)
+    expected, count = patches_gram(conv, x, True, True)
+    out = torch.zeros_like(expected)
+    assert conv_input_gram(conv, x, True, True, out) == count
+    assert out.device == x.device
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

@@ -21,6 +21,8 @@ within a budget.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -93,10 +95,8 @@ def conv_input_gram(
     # one more zero row where the last shift (ah, aw) runs aw locations past the rows
     pitch, rows = w + aw, h + ah + (1 if aw else 0)
     locs = h * pitch  # the flat locations of the grid's rows (with their padding columns)
-    # rect[o1, u] = 1 where the grid location u lies in R(o1) (0 at padding columns)
-    r_ind = _indicator(h, kh, dh, ph, h_out, out)  # (kh, H)
-    c_ind = F.pad(_indicator(w, kw, dw, pw, w_out, out), (0, aw))  # (kw, W')
-    rect = (r_ind[:, None, :, None] * c_ind[None, :, None, :]).reshape(k2, locs)
+    geometry = (h, w, kh, kw, dh, dw, ph, pw)
+    rect, src_o, src_d, direct = _layout(geometry, out.dtype, out.device)
     center = (kh - 1) * (2 * kw - 1) + (kw - 1)  # the index of Delta = 0
     offsets = [
         (k, (k // (2 * kw - 1) - (kh - 1)) * dh * pitch + (k % (2 * kw - 1) - (kw - 1)) * dw)
@@ -119,10 +119,6 @@ def conv_input_gram(
         del left, right, lhs
     # A's blocks: [(c1, o1), (c2, o2)] = Q[o1, o2 - o1, c1, c2] for o2 - o1 >= 0, else the
     # transpose of the block (o2, o1)
-    o1, delta = _pairs(kh, kw, out.device)
-    direct = delta >= center
-    src_o = torch.where(direct, o1, o1.T)
-    src_d = torch.where(direct, delta, delta.T)
     qv = q.view(k2, shifts, c, c)
     blocks = qv[src_o, src_d]  # (k2, k2, C, C)
     blocks = torch.where(direct[:, :, None, None], blocks, blocks.transpose(-1, -2))
@@ -137,13 +133,36 @@ def conv_input_gram(
     return count
 
 
-def _indicator(size: int, k: int, dil: int, pad: int, out_size: int, like: Tensor) -> Tensor:
+@functools.lru_cache(maxsize=64)
+def _layout(
+    geometry: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per layer geometry (H, W, kh, kw, D_h, D_w, p_h, p_w), once: rect (k2, H W') with
+    rect[o1, u] = 1 where the flat location u lies in R(o1) (0 at the padding columns), and
+    for every pair of offsets (o1, o2) the source of its block in Q: the offset, the shift's
+    index and whether it is Q's block itself (o2 - o1 >= 0) or the transpose of the block
+    (o2, o1) (:func:`conv_input_gram`). Small (k2 H W' + 3 k2^2 numbers)."""
+    h, w, kh, kw, dh, dw, ph, pw = geometry
+    h_out, w_out = h + 2 * ph - dh * (kh - 1), w + 2 * pw - dw * (kw - 1)
+    r_ind = _indicator(h, kh, dh, ph, h_out, dtype, device)  # (kh, H)
+    c_ind = F.pad(_indicator(w, kw, dw, pw, w_out, dtype, device), (0, (kw - 1) * dw))
+    rect = (r_ind[:, None, :, None] * c_ind[None, :, None, :]).reshape(kh * kw, -1)
+    o1, delta = _pairs(kh, kw, device)
+    direct = delta >= (kh - 1) * (2 * kw - 1) + (kw - 1)
+    src_o = torch.where(direct, o1, o1.T)
+    src_d = torch.where(direct, delta, delta.T)
+    return rect, src_o, src_d, direct
+
+
+def _indicator(
+    size: int, k: int, dil: int, pad: int, out_size: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """(k, size) 0/1: input position u is in R(o) along one axis, u - o dil + pad in
     [0, out_size)."""
-    u = torch.arange(size, device=like.device)
-    o = torch.arange(k, device=like.device).unsqueeze(1)
+    u = torch.arange(size, device=device)
+    o = torch.arange(k, device=device).unsqueeze(1)
     t = u - o * dil + pad
-    return ((t >= 0) & (t < out_size)).to(like.dtype)
+    return ((t >= 0) & (t < out_size)).to(dtype)
 
 
 def _pairs(kh: int, kw: int, device: torch.device) -> tuple[Tensor, Tensor]:

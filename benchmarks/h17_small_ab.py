@@ -13,6 +13,8 @@ Switches (each one off in "old"):
   :mod:`gaussify.curvature.sqrt_factor`): 2 C numbers per sample instead of C^2, the final
   linear layer's product in O(K d), and for softmax K = C - 1 vectors (a rank-(C - 1) root)
   instead of C;
+* ``single_vector``: a convolution's diagonal for one vector per sample (K = 1) from one
+  grouped ``convolution_backward`` (the samples as groups) instead of patches and products;
 * ``conv_gram``: KFAC's input factor of a stride-1 convolution from shifted products
   (:mod:`gaussify.curvature.conv_gram`) instead of the im2col patches' product.
 
@@ -41,8 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import curvature_fits as cf
 
 import gaussify.curvature.base as cbase
+import gaussify.curvature.batched_backward as cbb
+import gaussify.curvature.chain_diag as cdiag
 import gaussify.curvature.kron as ckron
 import gaussify.curvature.kron_grams as cgrams
+from gaussify.curvature.patches import conv2d_patches
 
 OUT = Path(__file__).resolve().parent / "results" / "h17_small_ab.json"
 CASES = (
@@ -62,6 +67,8 @@ CASES = (
     "cnn/32/100/kron",
     "cnn/256/2/kron",
     "cnn/256/10/diag",
+    "cnn/256/10/diag/ef",
+    "cnn/256/10/diag/mc",
     "cnn/256/10/kron",
     "cnn/256/10/kron/ef",
     "cnn/256/10/kron/mc",
@@ -73,16 +80,32 @@ def old_code() -> Iterator[None]:
     """Every h17-small switch off: the structured factor is never formed, the convolutions'
     input factors come from their patches."""
     saved = cbase.sqrt_factor, ckron.sqrt_factor, cgrams.shift_gram_applies
+    single = cdiag._single_vector_squared_grads
+    peak = cbb.conv_reduction_peak
 
     def none(likelihood: object, f: torch.Tensor) -> None:
         return None
 
     cbase.sqrt_factor = ckron.sqrt_factor = none
     cgrams.shift_gram_applies = lambda conv, inp: False
+    cdiag._single_vector_squared_grads = lambda conv, a, d: cdiag._conv_squared_grads(
+        conv, conv2d_patches(conv, a), d
+    )
+
+    def main_peak(conv: torch.nn.Conv2d, k: int, out: int, inp: int) -> int:
+        if k > 1:
+            return peak(conv, k, out, inp)
+        # main's model for one vector: the gradient, the patches, one weight gradient
+        patches = conv.weight[0].numel() * conv.groups * (out // conv.out_channels)
+        return out + patches + conv.weight.numel()
+
+    cbb.conv_reduction_peak = main_peak
     try:
         yield
     finally:
         cbase.sqrt_factor, ckron.sqrt_factor, cgrams.shift_gram_applies = saved
+        cdiag._single_vector_squared_grads = single
+        cbb.conv_reduction_peak = peak
 
 
 def values(case: dict[str, Any], curv: Any) -> torch.Tensor:

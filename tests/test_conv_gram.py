@@ -1,9 +1,14 @@
 """KFAC's input factor of a stride-1 convolution from shifted products
 (gaussify.curvature.conv_gram): equal in float64 to the im2col patches' Gram for kernel
 sizes, paddings, dilations and the weight / bias blocks, in chunks; used by the KFAC fit only
-where it applies, with the same factors as the patches' route."""
+where it applies, with the same factors as the patches' route. Also the diagonal's
+single-vector route for a convolution's per-sample gradients (one grouped
+convolution_backward), equal to the patches' products."""
 
 from __future__ import annotations
+
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +18,11 @@ import gaussify.curvature.kron_grams as grams
 from gaussify.curvature import make_curvature
 from gaussify.curvature.conv_gram import conv_input_gram, shift_gram_applies
 from gaussify.curvature.kron_grams import augment, gram, layer_inputs
+
+#: the benchmark's models and its measurement of a peak (not copies of them)
+BENCH = runpy.run_path(
+    str(Path(__file__).resolve().parents[1] / "benchmarks" / "curvature_fits.py")
+)
 
 
 def patches_gram(conv: nn.Conv2d, x: torch.Tensor, use_weight: bool, use_bias: bool):
@@ -134,3 +144,52 @@ def test_shifted_gram_on_the_inputs_device(device: str) -> None:
     assert conv_input_gram(conv, x, True, True, out) == count
     assert out.device == x.device
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("conv", "hw"),
+    [
+        (nn.Conv2d(4, 6, 3, padding=1), (7, 7)),
+        (nn.Conv2d(4, 6, (3, 2), stride=2, padding=(1, 0), dilation=(1, 2), groups=2), (9, 8)),
+        (nn.Conv2d(3, 5, 1), (4, 4)),
+    ],
+)
+def test_single_vector_squared_grads_equal_the_patches_route(
+    conv: nn.Conv2d, hw: tuple[int, int]
+) -> None:
+    """The diagonal's per-sample squared weight gradients for one vector per sample, from one
+    grouped convolution_backward (the samples as groups), equal the patches' products in
+    float64 (strides, dilations, groups, rectangular kernels)."""
+    from gaussify.curvature.chain_diag import _conv_squared_grads, _single_vector_squared_grads
+    from gaussify.curvature.patches import conv2d_patches
+
+    torch.manual_seed(0)
+    conv = conv.double()
+    a = torch.randn(5, conv.in_channels, *hw, dtype=torch.float64)
+    d = torch.randn(5, 1, *conv(a).shape[1:], dtype=torch.float64)
+    expected = _conv_squared_grads(conv, conv2d_patches(conv, a), d)
+    torch.testing.assert_close(
+        _single_vector_squared_grads(conv, a, d), expected, rtol=1e-12, atol=0
+    )
+
+
+@pytest.mark.parametrize(("classes", "ef"), [(10, True), (2, False)])
+def test_single_vector_diagonal_keeps_the_memory_rule(classes: int, ef: bool) -> None:
+    """The empirical Fisher's diagonal of the benchmark's CNN and the binary exact GGN's (one
+    vector per sample: the grouped route, chunks from its own per-sample model): peak of live
+    allocations <= 2 (training step + storage), measured as the benchmark does."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(32, 1, 8, 8, generator=gen)
+    y = torch.randint(0, classes, (32,), generator=gen)
+    model = BENCH["build_model"]("cnn", classes).eval()
+
+    def fit():  # type: ignore[no-untyped-def]
+        curv = make_curvature("diag", model, "classification", ef=ef)
+        curv.update(model, x, y)
+        return curv
+
+    fit()
+    curv, peak = BENCH["alloc_peak"](fit)
+    _, step = BENCH["alloc_peak"](lambda: BENCH["train_step"](model, x, y))
+    storage = sum(t.numel() * t.element_size() for t in curv.state_dict().values())
+    assert peak <= 2 * (step + storage), (peak, step, storage)

@@ -39,6 +39,7 @@ __all__ = [
     "backward_chunk",
     "backward_peak",
     "chain_forward",
+    "conv_reduction_peak",
     "conv_vector_group",
     "linear_chain",
     "module_chain",
@@ -506,17 +507,27 @@ def backward_peak(
             alive = k * (out + 2 * inp)  # autograd's product at a zero input
         peak = max(peak, alive)
         if i in per_sample_grads and kind is nn.Conv2d:
-            # the gradient, the patches and the per-sample weight gradients of a group of
-            # vectors (squared in place)
-            t = out // m.out_channels
-            patches = m.weight[0].numel() * m.groups * t
-            group = conv_vector_group(m, k, out)
-            peak = max(peak, k * out + patches + group * m.weight.numel())
+            peak = max(peak, conv_reduction_peak(m, k, out, inp))
         elif kind in (nn.Linear, nn.Conv2d):
             # the gradient and its square / reordered copy; a diagonal's sums over K and the
             # squared inputs of a linear layer
             peak = max(peak, k * 2 * out + (out + inp if i in per_sample_grads else 0))
     return peak
+
+
+def conv_reduction_peak(conv: nn.Conv2d, k: int, out: int, inp: int) -> int:
+    """Elements per sample of a convolution's diagonal reduction with K vectors (``out`` /
+    ``inp`` its output / input sizes per sample): for K = 1 one grouped
+    ``convolution_backward`` (:func:`gaussify.curvature.chain_diag.
+    _single_vector_squared_grads`): the gradient and input and the oneDNN reorders of both,
+    and the per-sample weight gradients (measured within the rule's margin); else the
+    gradient, the im2col patches and the per-sample weight gradients of a group of vectors
+    (squared in place)."""
+    if k == 1:
+        return 2 * (out + inp) + conv.weight.numel()
+    t = out // conv.out_channels
+    patches = conv.weight[0].numel() * conv.groups * t
+    return k * out + patches + conv_vector_group(conv, k, out) * conv.weight.numel()
 
 
 def _transposed_workspace(conv: nn.Conv2d, out: int, inp: int) -> int:

@@ -56,6 +56,34 @@ def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
     return total.reshape(conv.out_channels, -1)
 
 
+def _single_vector_squared_grads(conv: nn.Conv2d, a: Tensor, d: Tensor) -> Tensor:
+    """sum_n (per-sample weight gradient of u_n^T f_n)^2 for one vector per sample (K = 1:
+    the empirical Fisher, one Monte Carlo draw, a binary softmax's rank-1 root), shape
+    (C_out, C_in / G * kh * kw), from the input a (B, C_in, H, W) and d (B, 1, C_out, H', W'):
+    the B samples are the groups of one convolution (B G groups; its weight gradient is the B
+    per-sample gradients, (B C_out, C_in / G, kh, kw)), one ``convolution_backward`` call
+    instead of the im2col patches and B products (measured 3 x faster at B = 32 and 256 on
+    the CPU; slower from K = 9 vectors on, so only for K = 1). The weight is only a shape
+    there (a stride-0 expansion of one number)."""
+    b = a.shape[0]
+    weight = a.new_empty(()).expand(b * conv.out_channels, *conv.weight.shape[1:])
+    grads = torch.ops.aten.convolution_backward(
+        d.reshape(1, b * conv.out_channels, *d.shape[-2:]),
+        a.reshape(1, b * conv.in_channels, *a.shape[-2:]).to(d.dtype),
+        weight.to(d.dtype),
+        None,
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        False,
+        (0, 0),
+        b * conv.groups,
+        (False, True, False),
+    )[1]
+    per = grads.view(b, conv.out_channels, -1)
+    return per.mul_(per).sum(0)
+
+
 def chain_squared_sums(
     model: nn.Module,
     x: Tensor,
@@ -394,7 +422,10 @@ def _reduce_chunk(
         if "weight" in views:
             w = views["weight"]
             a = run.acts[i][rows]
-            sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
+            if d.shape[1] == 1:  # one vector: per-sample gradients as a grouped conv's
+                sums = _single_vector_squared_grads(module, a, d)
+            else:
+                sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
             w.view(module.out_channels, -1).add_(sums.to(w.dtype))
         if "bias" in views:
             b = views["bias"]

@@ -66,11 +66,11 @@ def _single_vector_squared_grads(conv: nn.Conv2d, a: Tensor, d: Tensor) -> Tenso
     the CPU; slower from K = 9 vectors on, so only for K = 1). The weight is only a shape
     there (a stride-0 expansion of one number)."""
     b = a.shape[0]
-    weight = a.new_empty(()).expand(b * conv.out_channels, *conv.weight.shape[1:])
+    weight = d.new_empty(()).expand(b * conv.out_channels, *conv.weight.shape[1:])
     grads = torch.ops.aten.convolution_backward(
         d.reshape(1, b * conv.out_channels, *d.shape[-2:]),
         a.reshape(1, b * conv.in_channels, *a.shape[-2:]).to(d.dtype),
-        weight.to(d.dtype),
+        weight,
         None,
         conv.stride,
         conv.padding,

@@ -349,6 +349,48 @@ def test_the_scanner_catches_what_it_should(tmp_path: Path) -> None:
     ]
 
 
+#: torch's random draws that take a ``generator=``
+RANDOM_DRAWS = frozenset({"randn", "rand", "randint", "randperm", "normal", "multinomial",
+                          "bernoulli", "randn_like", "rand_like"})  # fmt: skip
+
+
+def seeded_device_draws(path: Path) -> list[str]:
+    """``torch.<draw>(..., generator=..., device=...)``: torch refuses a CPU generator for a
+    CUDA tensor, so a seeded draw onto a device goes through ``gaussify.draws``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        fn = node.func if isinstance(node, ast.Call) else None
+        on_torch = isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name)
+        if on_torch and fn.value.id == "torch" and fn.attr in RANDOM_DRAWS:
+            keys = {k.arg for k in node.keywords}
+            if {"generator", "device"} <= keys or (
+                "generator" in keys and _called_name(node) in {"multinomial", "bernoulli"}
+            ):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_seeded_draws_onto_a_device_go_through_draws() -> None:
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(EXCLUDED) and rel != "draws.py":
+            bad += seeded_device_draws(path)
+    assert not bad, "use gaussify.draws for seeded draws onto a device:\n" + "\n".join(bad)
+
+
+def test_the_draws_scanner_catches_what_it_should(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import torch\n"
+        "a = torch.randn(3, generator=g, device=d)\n"  # flagged
+        "b = torch.randn(3, generator=g).to(d)\n"
+        "c = torch.randn(3, device=d)\n"
+        "e = torch.multinomial(p, 1, generator=g)\n"  # flagged
+    )
+    assert seeded_device_draws(source) == ["m.py:2", "m.py:5"]
+
+
 # ---------------------------------------------------------------------------- benchmarks
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

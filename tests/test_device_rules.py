@@ -165,6 +165,7 @@ MODULE_INIT = (
 ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # approx_likelihoods/closed_forms.py
     ("gaussian_approx", "torch.as_tensor"): (1, INPUT),
+    ("dirichlet_logit_prior", "torch.tensor"): (1, INPUT),
     # approx_likelihoods/gp_classification.py
     ("GPClassifier.optimize", ".numpy()"): (1, HOST_OPT),
     ("GPClassifier.optimize.objective", ".numpy()"): (1, HOST_OPT),

@@ -26,6 +26,7 @@ import torch
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import uci_classification as uci
 from gaussify.experiments.uci_methods import mlp
 from gaussify.weight_space.glm_vi import GLMVI
@@ -91,9 +92,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 1, 2])
     parser.add_argument("--map-cache", default=None)
     parser.add_argument("--threads", type=int, default=1)
+    add_device_argument(parser)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" /
                         "glm_vi_convergence.json")  # fmt: skip
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
     torch.set_num_threads(args.threads)
     grid = uci.prior_grid(args.dataset)
     runs = []

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.func import functional_call, hessian
 
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import marglik_regression as exp
 from gaussify.experiments._gap_toy import gap_toy
 
@@ -109,10 +110,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
+    add_device_argument(parser)
     parser.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/results/marglik_hessian_evidence.json"
     )
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
     torch.set_num_threads(1)
     rows = []
     for d, s2 in zip(args.pairs[0::2], args.pairs[1::2], strict=True):

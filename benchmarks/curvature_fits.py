@@ -31,6 +31,11 @@ faster backend per case), then:
   with at least one backend (BackPack's KFAC of a convolution is another approximation: its
   conv blocks differ from ASDL's and gaussify's, which agree to 1e-13).
 
+On CUDA (``--device cuda``) one subprocess per case runs the backends in turn (one CUDA
+start-up per case; each backend on a fresh, identically seeded model, since BackPack leaves
+its hooks on the one it extends), timers wait for the queued kernels, and peaks are the CUDA
+caching allocator's ``max_memory_allocated`` above the start.
+
 Memory peaks run on the first two batches (the peak is per batch). A backend whose first fit
 takes over ``SLOW_S`` (Curvlinops' diagonal, from dense Jacobians) runs once, unprofiled.
 
@@ -270,7 +275,7 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
                 for i in layers:
                     m = chain[i][1]
                     d = m.weight[0].numel() + 1
-                    a_sum = torch.zeros(d, d, dtype=xb.dtype)
+                    a_sum = torch.zeros(d, d, dtype=xb.dtype, device=xb.device)
                     inp = run.acts[i]
                     kron_grams.input_gram(m, inp, ("", True, True), "expand", a_sum, budget)
 
@@ -281,17 +286,34 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
     return out
 
 
+def _sync() -> None:
+    """Wait for queued CUDA work (a no-op on the CPU): a timer must see the kernels end."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
+        _sync()
         start = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def alloc_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """(result, peak of torch's live CPU allocations above the start, bytes)."""
+def alloc_peak(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, int]:
+    """(result, peak of torch's live allocations above the start on ``device``, bytes): on
+    the CPU from the profiler's allocation events, on CUDA from the caching allocator's
+    peak counter (``max_memory_allocated``, reset at the start)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -314,23 +336,50 @@ def train_step(model: nn.Module, x: Tensor, y: Tensor) -> None:
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One case against ``spec["backend"]``, or (``spec["backends"]``, the CUDA path: one
+    process per case, so one CUDA start-up) against each of several backends in turn, each
+    interleaved with its own gaussify fits: ``{"backends": {name: result}, "floor": ...}``."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(spec["threads"])
-    case, backend, device = spec["case"], spec["backend"], spec["device"]
-    model = build_model(case["model"], case["classes"]).to(device).eval()
+    case, device = spec["case"], spec["device"]
     x, y = load_data(case["model"], case["classes"], torch.float32, device)
     loader = DataLoader(TensorDataset(x, y), batch_size=case["batch"])
+    backends = spec.get("backends", [spec.get("backend")])
+    results = {}
+    for b in backends:
+        # a fresh (identically seeded) model per backend: BackPack leaves its hooks on one
+        model = build_model(case["model"], case["classes"]).to(device).eval()
+        try:
+            results[b] = compare(spec, b, model, x, y, loader)
+        except Exception as err:  # one backend's failure must not lose the others
+            if "backends" not in spec:
+                raise
+            results[b] = {"error": f"{type(err).__name__}: {err}"}
+    model = build_model(case["model"], case["classes"]).to(device).eval()
+    floor = floor_times(case, model, loader) if spec.get("floor") else None
+    if "backends" in spec:
+        return {"backends": results, **({"floor": floor} if floor else {})}
+    out = results[spec["backend"]]
+    if floor:
+        out["floor"] = floor
+    return out
+
+
+def compare(
+    spec: dict[str, Any], backend: str, model: nn.Module, x: Tensor, y: Tensor, loader: DataLoader
+) -> dict[str, Any]:
+    """gaussify vs ``backend`` on one case: interleaved timings, peak memory against the rule,
+    agreement in float64."""
+    case, device = spec["case"], spec["device"]
     warm = DataLoader(TensorDataset(x[: case["batch"]], y[: case["batch"]]), case["batch"])
     gaussify_fit(case, model, warm)
     backend_fit(case, backend, model, warm)
 
     def timed(fn: Callable[[], Any]) -> float:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - start
 
     g_times, b_times = [], []
@@ -347,13 +396,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
     out["speedup"] = out["backend_s"] / out["gaussify_s"]
     few = CHECK_BATCHES * case["batch"]
-    if device == "cpu" and b_times[0] <= SLOW_S:
+    if b_times[0] <= SLOW_S:
         small = DataLoader(TensorDataset(x[:few], y[:few]), batch_size=case["batch"])
-        curv, g_peak = alloc_peak(lambda: gaussify_fit(case, model, small))
-        _, b_peak = alloc_peak(lambda: backend_fit(case, backend, model, small))
-        trained = build_model(case["model"], case["classes"])
+        curv, g_peak = alloc_peak(lambda: gaussify_fit(case, model, small), device)
+        _, b_peak = alloc_peak(lambda: backend_fit(case, backend, model, small), device)
+        trained = build_model(case["model"], case["classes"]).to(device)
         xb, yb = x[: case["batch"]], y[: case["batch"]]
-        _, step_peak = alloc_peak(lambda: train_step(trained, xb, yb))
+        _, step_peak = alloc_peak(lambda: train_step(trained, xb, yb), device)
         storage = sum(t.numel() * t.element_size() for t in curv.state_dict().values())
         out.update(
             gaussify_peak_bytes=g_peak,
@@ -363,8 +412,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             gaussify_rule_ratio=g_peak / (step_peak + storage),
             backend_rule_ratio=b_peak / (step_peak + storage),
         )
-    if spec.get("floor"):
-        out["floor"] = floor_times(case, model, loader)
     if case["flavour"] == "mc":
         out["max_rel_diff_f64"] = None  # different random labels on the two sides
         return out
@@ -423,7 +470,19 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One case: every backend in its own subprocess (the first to run also times the floors),
     the best backend, the agreement and whether the target is met; prints its row."""
     result: dict[str, Any] = {"case": case, "backends": {}}
-    for backend in BACKENDS:
+    if args.device != "cpu":  # one process per case (one CUDA start-up), backends in turn
+        names = [b for b in BACKENDS if runs_backend(case, b)]
+        spec = {"case": case, "backends": names, "threads": args.threads}
+        spec |= {"repeats": args.repeats, "device": args.device, "floor": True}
+        out = run_worker(spec)
+        for backend in BACKENDS:
+            skipped = {"skipped": CURVLINOPS_DIAG_NOTE}
+            result["backends"][backend] = out.get("backends", {}).get(backend, out)
+            if backend not in names:
+                result["backends"][backend] = skipped
+        if "floor" in out:
+            result["floor"] = out["floor"]
+    for backend in BACKENDS if args.device == "cpu" else ():
         if not runs_backend(case, backend):
             result["backends"][backend] = {"skipped": CURVLINOPS_DIAG_NOTE}
             continue
@@ -532,6 +591,9 @@ def write(
             "threads": args.threads,
             "repeats": args.repeats,
             "device": args.device,
+            "device_name": (
+                torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+            ),
             "quick": args.quick,
             "torch": torch.__version__,
             "target_speedup": TARGET,

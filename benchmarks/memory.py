@@ -98,6 +98,9 @@ except ModuleNotFoundError:  # a checkout without `pip install -e .`
 from gaussify.batches import as_batches
 from gaussify.curvature import make_curvature
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from curvature_fits import alloc_peak
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BATCH_SIZE = 256
@@ -225,20 +228,11 @@ def measured(fn: Callable[[], T]) -> tuple[T, int, float]:
 
 
 def allocated(fn: Callable[[], T]) -> tuple[T, int]:
-    """(result, peak of torch's live CPU allocations above the start, in bytes) of ``fn()``,
-    from the allocation / free events of ``torch.profiler`` (exact, deterministic)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """(result, peak of torch's live CPU allocations above the start, in bytes) of ``fn()``
+    after returning freed heap memory: ``curvature_fits.alloc_peak`` (the profiler's
+    allocation / free events; exact, deterministic), the measurement both benchmarks share."""
     _release()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-    deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in deltas:
-        live += nbytes
-        peak = max(peak, live)
-    return out, peak
+    return alloc_peak(fn)
 
 
 def tensor_bytes(tensors: Any) -> int:

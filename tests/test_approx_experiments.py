@@ -102,10 +102,15 @@ def test_streaming_metrics_equal_recomputed(stream_res: st.StreamingResults) -> 
         curve = stream_res.curves["digits"][name]
         assert curve["acc_mean"][-1] == pytest.approx(gs.metrics.accuracy(probs, y_test), abs=1e-12)
         assert curve["ll_mean"][-1] == pytest.approx(-gs.metrics.nll(probs, y_test), abs=1e-10)
-    # the prior: delta = mean ||[phi, 1]||^2 / prior_logit_var
+    # the prior: delta = mean ||[phi, 1]||^2 / prior_logit_var, by default pi^2/6 = trigamma(1),
+    # the variance of a logit of the uniform Dir(1) prior in the log basis; every learner's
     phi, *_ = stream_res.features[("digits", 0)]
-    delta = float((phi.square().sum(1) + 1).mean()) / 10.0
-    assert learners["variational"].prior_precision == pytest.approx(delta, rel=1e-12)
+    assert abs(st.PRIOR_LOGIT_VAR - math.pi**2 / 6) < 1e-8
+    assert stream_res.config["prior_logit_var"] == st.PRIOR_LOGIT_VAR
+    assert "Dir(1)" in stream_res.config["prior_rule"]
+    delta = float((phi.square().sum(1) + 1).mean()) / (math.pi**2 / 6)
+    for name in (*st.METHODS, "adf"):
+        assert learners[name].prior_precision == pytest.approx(delta, rel=1e-8), name
     assert {o["points"] for o in stream_res.ordering} == {20, 50}
     json.dumps(stream_res.to_dict())
 

@@ -367,6 +367,40 @@ def test_targets_are_differentiable_in_alpha_eps(method):
         assert torch.autograd.gradcheck(beta, (ab,), atol=1e-5)
 
 
+def test_dirichlet_logit_prior_is_the_moment_map_of_a_symmetric_dirichlet():
+    """A symmetric Dir(a) on the class probabilities is softmax(psi) with psi_k = log w_k,
+    w_k ~ Gamma(a, 1) (Sec. 2.2); its logit Gaussian is that log-Gamma's mean and variance
+    (float64 quadrature of p(psi) = exp(a psi - e^psi) / Gamma(a)); Dir(1) gives
+    N(-euler_gamma, pi^2/6), the streaming experiment's prior logit variance."""
+    from gaussify.approx_likelihoods.closed_forms import dirichlet_logit_prior
+
+    mean, var = dirichlet_logit_prior()
+    assert mean == pytest.approx(-np.euler_gamma, abs=1e-12)
+    assert var == pytest.approx(math.pi**2 / 6, abs=1e-8)
+
+    def moment(k: int, a: float) -> float:
+        def integrand(psi: float) -> float:
+            return psi**k * math.exp(a * psi - math.exp(psi) - special.gammaln(a))
+
+        return integrate.quad(integrand, -60, 10, limit=200)[0]
+
+    for a in (0.5, 1.0, 3.0):
+        m1, m2 = moment(1, a), moment(2, a)
+        got = dirichlet_logit_prior(a)
+        assert got[0] == pytest.approx(m1, abs=1e-8)
+        assert got[1] == pytest.approx(m2 - m1 * m1, abs=1e-7)
+    # the other maps of Sec. 3.2 on the same log-Gamma: variational N(log a - 1/(2a), 1/a)
+    assert dirichlet_logit_prior(2.0, "variational") == pytest.approx((math.log(2) - 0.25, 0.5))
+    with pytest.raises(ValueError, match=r"concentration: must be positive and finite, got 0\.0"):
+        dirichlet_logit_prior(0.0)
+    with pytest.raises(ValueError, match="concentration"):
+        dirichlet_logit_prior(float("inf"))
+    with pytest.raises(TypeError, match="concentration"):
+        dirichlet_logit_prior(True)
+    with pytest.raises(ValueError, match="method"):
+        dirichlet_logit_prior(1.0, "ep")
+
+
 def test_bad_inputs_raise_naming_the_argument():
     with pytest.raises(ValueError, match="alpha_eps"):
         DirichletGaussian("moment", alpha_eps=0.0)

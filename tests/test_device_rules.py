@@ -165,6 +165,7 @@ MODULE_INIT = (
 ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # approx_likelihoods/closed_forms.py
     ("gaussian_approx", "torch.as_tensor"): (1, INPUT),
+    ("dirichlet_logit_prior", "torch.tensor"): (1, INPUT),
     # approx_likelihoods/gp_classification.py
     ("GPClassifier.optimize", ".numpy()"): (1, HOST_OPT),
     ("GPClassifier.optimize.objective", ".numpy()"): (1, HOST_OPT),
@@ -346,6 +347,48 @@ def test_the_scanner_catches_what_it_should(tmp_path: Path) -> None:
         ("M.fit", ".numpy()", 11),
         ("M.fit", "torch.zeros", 4),
     ]
+
+
+#: torch's random draws that take a ``generator=``
+RANDOM_DRAWS = frozenset({"randn", "rand", "randint", "randperm", "normal", "multinomial",
+                          "bernoulli", "randn_like", "rand_like"})  # fmt: skip
+
+
+def seeded_device_draws(path: Path) -> list[str]:
+    """``torch.<draw>(..., generator=..., device=...)``: torch refuses a CPU generator for a
+    CUDA tensor, so a seeded draw onto a device goes through ``gaussify.draws``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        fn = node.func if isinstance(node, ast.Call) else None
+        on_torch = isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name)
+        if on_torch and fn.value.id == "torch" and fn.attr in RANDOM_DRAWS:
+            keys = {k.arg for k in node.keywords}
+            if {"generator", "device"} <= keys or (
+                "generator" in keys and _called_name(node) in {"multinomial", "bernoulli"}
+            ):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_seeded_draws_onto_a_device_go_through_draws() -> None:
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(EXCLUDED) and rel != "draws.py":
+            bad += seeded_device_draws(path)
+    assert not bad, "use gaussify.draws for seeded draws onto a device:\n" + "\n".join(bad)
+
+
+def test_the_draws_scanner_catches_what_it_should(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import torch\n"
+        "a = torch.randn(3, generator=g, device=d)\n"  # flagged
+        "b = torch.randn(3, generator=g).to(d)\n"
+        "c = torch.randn(3, device=d)\n"
+        "e = torch.multinomial(p, 1, generator=g)\n"  # flagged
+    )
+    assert seeded_device_draws(source) == ["m.py:2", "m.py:5"]
 
 
 # ---------------------------------------------------------------------------- benchmarks

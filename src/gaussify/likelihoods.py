@@ -24,6 +24,8 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from gaussify import draws
+
 __all__ = [
     "Bernoulli",
     "Categorical",
@@ -169,7 +171,7 @@ class Gaussian:
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         f = _check_f(f)
-        eps = torch.randn(f.shape, generator=generator, dtype=f.dtype, device=f.device)
+        eps = draws.normal(f.shape, dtype=f.dtype, device=f.device, generator=generator)
         return f + self._sigma(f) * eps
 
 
@@ -233,7 +235,7 @@ class Categorical:
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         p = self.inverse_link(f)
-        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        return draws.categorical(p, generator)
 
 
 class Bernoulli:
@@ -275,7 +277,7 @@ class Bernoulli:
         return torch.sigmoid(_check_f(f))
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return torch.bernoulli(self.inverse_link(f), generator=generator)
+        return draws.bernoulli(self.inverse_link(f), generator)
 
 
 class HeteroscedasticGaussian:
@@ -335,7 +337,7 @@ class HeteroscedasticGaussian:
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         mean, log_var = self._split(f)
-        eps = torch.randn(mean.shape, generator=generator, dtype=f.dtype, device=f.device)
+        eps = draws.normal(mean.shape, dtype=f.dtype, device=f.device, generator=generator)
         return mean + torch.exp(0.5 * log_var) * eps
 
 

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from gaussify import draws
 from gaussify.validation import check_count
 
 __all__ = [
@@ -67,8 +68,8 @@ def gaussian_samples(
     """Draw ``(S, N, C)`` samples from ``N(mean (N, C), cov (N, C, C))`` independently per n."""
     num_samples = check_count(num_samples, "num_samples")
     chol = _stable_cholesky(cov)
-    eps = torch.randn(
-        (num_samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device
+    eps = draws.normal(
+        (num_samples, *mean.shape), dtype=mean.dtype, device=mean.device, generator=generator
     )
     return mean + torch.einsum("nij,snj->sni", chol, eps)
 

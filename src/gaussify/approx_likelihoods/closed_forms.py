@@ -37,6 +37,7 @@ __all__ = [
     "chi2_moment",
     "chi2_moment_ori",
     "chi2_variational",
+    "dirichlet_logit_prior",
     "exponential_laplace",
     "exponential_moment",
     "exponential_moment_ori",
@@ -267,3 +268,26 @@ def gaussian_approx(distribution: str, method: str, **params: Tensor | float) ->
             raise ValueError(f"{name}: must be positive and finite, got {params[name]}")
         tensors[name] = value
     return APPROXIMATIONS[(distribution, method)](**tensors)
+
+
+def dirichlet_logit_prior(
+    concentration: float = 1.0, method: str = "moment"
+) -> tuple[float, float]:
+    """The Gaussian on each logit that a symmetric ``Dir(concentration)`` prior on the class
+    probabilities implies in the log basis (Sec. 2.2 / 3.2): ``pi = softmax(psi)`` with
+    ``psi_k = log w_k``, ``w_k ~ Gamma(concentration, 1)`` i.i.d., so each logit ``psi_k`` is
+    a log-Gamma variable and ``method`` (``"moment"`` by default) maps it to ``N(mean, var)``
+    with :func:`gaussian_approx`. ``Dir(1)`` (uniform on the simplex) with ``moment`` gives
+    ``N(-euler_gamma, pi^2/6)``: mean ``digamma(1)``, variance ``trigamma(1)``.
+
+    The mean is common to all ``K`` logits, so it leaves ``softmax(psi)`` unchanged; the
+    variance is the prior logit scale. Returns floats ``(mean, var)``; raises ``ValueError``
+    naming ``concentration`` unless it is positive and finite, or ``method`` if unknown.
+    """
+    if isinstance(concentration, bool) or not isinstance(concentration, int | float):
+        raise TypeError(f"concentration: expected a positive float, got {concentration!r}")
+    if not (math.isfinite(concentration) and concentration > 0):
+        raise ValueError(f"concentration: must be positive and finite, got {concentration}")
+    alpha = torch.tensor(float(concentration), dtype=torch.float64)
+    mean, var = gaussian_approx("gamma", method, alpha=alpha)
+    return float(mean), float(var)

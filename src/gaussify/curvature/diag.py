@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from gaussify import draws
 from gaussify.curvature.base import GaussNewtonCurvature, as_hyperparameter, check_offset
 from gaussify.curvature.jacobian import SubsetLike
 from gaussify.curvature.lastlayer import OutputLinear, lastlayer_jvp, lastlayer_num_outputs
@@ -42,8 +43,8 @@ class DiagonalPrecision:
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         prec = self.precision
-        z = torch.randn(
-            n, self.num_params, generator=generator, dtype=prec.dtype, device=prec.device
+        z = draws.normal(
+            (n, self.num_params), dtype=prec.dtype, device=prec.device, generator=generator
         )
         return z * prec.rsqrt()
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from gaussify import draws
 from gaussify.curvature.base import (
     GaussNewtonCurvature,
     _sum_cannot_overflow,
@@ -166,12 +167,9 @@ class CholeskyPrecision:
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         # L^{-T} z has covariance L^{-T} L^{-1} = A^{-1}.
-        z = torch.randn(
-            self.num_params,
-            n,
-            generator=generator,
-            dtype=self.precision.dtype,
-            device=self.precision.device,
+        prec = self.precision
+        z = draws.normal(
+            (self.num_params, n), dtype=prec.dtype, device=prec.device, generator=generator
         )
         return torch.linalg.solve_triangular(self.cholesky.T, z, upper=True).T
 
@@ -278,7 +276,7 @@ class EigenPrecision:
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         v = self.eigenvectors
-        z = torch.randn(n, self.num_params, generator=generator, dtype=v.dtype, device=v.device)
+        z = draws.normal((n, self.num_params), dtype=v.dtype, device=v.device, generator=generator)
         return (z * self.diag.rsqrt()) @ v.T
 
     def functional_cov(self, jac: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gaussify import draws
 from gaussify.curvature.kron_grams import augment
 from gaussify.curvature.lastlayer import (
     OutputLinear,
@@ -221,7 +222,9 @@ class KronPosteriorPrecision:
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         """``(n, P)`` draws from ``N(0, A^-1)``."""
         ref = self.blocks[0].eig
-        z = torch.randn(n, self.num_params, generator=generator, dtype=ref.dtype, device=ref.device)
+        z = draws.normal(
+            (n, self.num_params), dtype=ref.dtype, device=ref.device, generator=generator
+        )
         mats = []
         for b, r1, zb in zip(self.blocks, self._r1, torch.split(z, self._sizes, -1), strict=True):
             xi = zb.reshape(n, *b.eig.shape)

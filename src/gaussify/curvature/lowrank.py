@@ -25,6 +25,7 @@ import torch
 from scipy.sparse.linalg import LinearOperator, eigsh
 from torch import Tensor, nn
 
+from gaussify import draws
 from gaussify.curvature.base import (
     GaussNewtonCurvature,
     as_hyperparameter,
@@ -143,9 +144,9 @@ class LowRankPrecision:
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         # eps = D^{1/2} z1 + W z2 ~ N(0, A); A^{-1} eps ~ N(0, A^{-1}).
         d = self.diag
-        z1 = torch.randn(n, self.num_params, generator=generator, dtype=d.dtype, device=d.device)
-        z2 = torch.randn(
-            n, self.factor.shape[1], generator=generator, dtype=d.dtype, device=d.device
+        z1 = draws.normal((n, self.num_params), dtype=d.dtype, device=d.device, generator=generator)
+        z2 = draws.normal(
+            (n, self.factor.shape[1]), dtype=d.dtype, device=d.device, generator=generator
         )
         return self.solve(z1 * d.sqrt() + z2 @ self.factor.T)
 
@@ -345,13 +346,8 @@ class LowRankGGN(GaussNewtonCurvature):
             evals, evecs = torch.linalg.eigh(0.5 * (ggn + ggn.T))
             evals, evecs = evals.flip(0).clamp_min(0.0), evecs.flip(1)
         else:
-            gen = self.generator
-            v0 = torch.randn(
-                p,
-                generator=gen,
-                dtype=torch.float64,
-                device=gen.device if gen is not None else "cpu",
-            )
+            # on the host (scipy's eigsh takes it there): CPU and GPU fits start alike
+            v0 = draws.normal((p,), dtype=torch.float64, device="cpu", generator=self.generator)
             evals, evecs = top_eigenpairs(self.ggn_matvec, p, self.rank, v0=v0, tol=self.tol)
         self._eig = (
             evals.to(dtype=self.dtype, device=self.device),

@@ -17,8 +17,15 @@ seen. Learners, all started from the same prior:
 Features: ``phi(x) = relu((x - xbar) W + b)``, ``W ~ N(0, 2 / d_in)``, ``b ~ N(0, 0.01)``,
 drawn once per seed (``xbar`` the training-pixel mean). The prior ``N(0, I / delta)`` on every
 weight column uses ``delta = mean ||[phi, 1]||^2 / prior_logit_var``, so each logit has prior
-variance ``prior_logit_var`` at a typical training input. Predictions: probit link for the
-Gaussian posteriors, softmax of the weights for ``sgd+m``.
+variance ``prior_logit_var`` at a typical training input. The default
+:data:`PRIOR_LOGIT_VAR` ``= trigamma(1) = pi^2/6`` is the paper's own map applied to the
+uniform prior ``Dir(1)`` on the class probabilities: in the log basis each logit of a
+``Dir(1)`` draw is ``log w``, ``w ~ Gamma(1, 1)`` (Sec. 2.2), whose moment-matched Gaussian
+(Sec. 3.2) is ``N(digamma(1), trigamma(1))``
+(:func:`gaussify.approx_likelihoods.closed_forms.dirichlet_logit_prior`; the common mean
+cancels in the softmax). The paper states no prior for this experiment; this one uses no data
+and is the same for every learner. Predictions: probit link for the Gaussian posteriors,
+softmax of the weights for ``sgd+m``.
 
 Scaled from the paper (full MNIST / Fashion-MNIST streams on a GPU) to the shipped subsets:
 ``num_points=2000`` streamed points, width 256, batches of 10, three seeds.
@@ -38,6 +45,7 @@ from torch import Tensor
 
 from gaussify import data as gdata
 from gaussify import metrics
+from gaussify.approx_likelihoods.closed_forms import dirichlet_logit_prior
 from gaussify.cli_args import positive_float, positive_int
 from gaussify.experiments._report import (
     progress_bar,
@@ -53,6 +61,7 @@ __all__ = [
     "DATASETS",
     "DEFAULT_ALPHA",
     "METHODS",
+    "PRIOR_LOGIT_VAR",
     "StreamingResults",
     "checkpoints",
     "main",
@@ -82,6 +91,13 @@ COLOURS: dict[str, str] = {
     "adf": "tab:purple",
     "sgd+m": "tab:brown",
 }
+#: prior variance of each logit at a typical input: the moment-matched log-basis Gaussian of a
+#: uniform Dir(1) prior on the class probabilities, trigamma(1) = pi^2/6 (Sec. 2.2, 3.2)
+PRIOR_LOGIT_VAR: float = dirichlet_logit_prior(1.0, "moment")[1]
+PRIOR_RULE = (
+    "prior logit variance trigamma(1) = pi^2/6: the moment-matched log-basis Gaussian of the "
+    "uniform Dir(1) prior on the class probabilities (Sec. 2.2, 3.2), for every learner"
+)
 #: "after few points": the checkpoints at which the ordering of the paper is checked
 FEW_POINTS: tuple[int, ...] = (20, 50, 100)
 F64 = torch.float64
@@ -275,7 +291,7 @@ def run(
     num_points: int = 2000,
     width: int = 256,
     batch_size: int = 10,
-    prior_logit_var: float = 10.0,
+    prior_logit_var: float = PRIOR_LOGIT_VAR,
     alpha_eps: dict[str, float] | None = None,
     noise: float = 0.1,
     sgd_lr: float = 0.1,
@@ -327,6 +343,7 @@ def run(
             "width": width,
             "batch_size": batch_size,
             "prior_logit_var": prior_logit_var,
+            "prior_rule": PRIOR_RULE if prior_logit_var == PRIOR_LOGIT_VAR else "given",
             "alpha_eps": {**DEFAULT_ALPHA, **(alpha_eps or {})},
             "gauss_noise": noise,
             "sgd_lr": sgd_lr,
@@ -486,7 +503,14 @@ def main(argv: list[str] | None = None) -> int:
         ("--num-points", dict(type=positive_int, default=2000)),
         ("--width", dict(type=positive_int, default=256)),
         ("--batch-size", dict(type=positive_int, default=10)),
-        ("--prior-logit-var", dict(type=positive_float, default=10.0)),
+        (
+            "--prior-logit-var",
+            dict(
+                type=positive_float,
+                default=PRIOR_LOGIT_VAR,
+                help="default pi^2/6, the uniform Dir(1) prior's",
+            ),
+        ),
         ("--quick", dict(action="store_true", help="mnist, 1 seed, 200 points")),
     ]
     description = (

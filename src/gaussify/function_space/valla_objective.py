@@ -16,6 +16,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from gaussify import draws
 from gaussify.likelihoods import Likelihood
 from gaussify.predictive import probit
 
@@ -89,8 +90,8 @@ def mc_expected_log_lik(
             stacklevel=3,
         )
         chol = torch.linalg.cholesky(cov + jitter * eye)
-    eps = torch.randn(
-        (num_samples, *mean.shape), generator=generator, dtype=mean.dtype, device=mean.device
+    eps = draws.normal(
+        (num_samples, *mean.shape), dtype=mean.dtype, device=mean.device, generator=generator
     )
     f = mean + torch.einsum("bij,sbj->sbi", chol, eps)
     logp = torch.stack([likelihood.log_prob(fs, y) for fs in f])  # (S, B)

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.linalg import solve_triangular
 
+from gaussify import draws
+
 __all__ = [
     "Dense",
     "DensePrecision",
@@ -120,7 +122,7 @@ class StructuredCovariance(ABC):
     ) -> Tensor:
         ref = self._ref
         size = (*shape, self.num_blocks, self.dim if dim is None else dim)
-        return torch.randn(size, generator=generator, dtype=ref.dtype, device=ref.device)
+        return draws.normal(size, dtype=ref.dtype, device=ref.device, generator=generator)
 
 
 class Dense(StructuredCovariance):

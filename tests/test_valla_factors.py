@@ -73,17 +73,18 @@ def test_cached_components_are_the_ntk_at_the_kept_rows(scaled, design, per_tens
     assert not cross.requires_grad and not gram.requires_grad
 
 
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
 @pytest.mark.parametrize("design", ["label", "all"])
 @pytest.mark.parametrize("prior", [0.7, "per_tensor"])
-def test_cached_step_matches_the_uncached_route(design, prior):
+def test_cached_step_matches_the_uncached_route(design, prior, subset):
     """Objective and its gradients (log prior, L_v) with the cache equal those of the
     uncached "ntk" route (kernels re-formed from the network every step) to 1e-10."""
     model, x, y = _problem(scaled=True)
-    n_tensors = len(list(model.parameters()))
+    n_tensors = len(select_parameters(model, subset).names)
     p0 = torch.linspace(0.5, 2.0, n_tensors, dtype=DTYPE) if prior == "per_tensor" else prior
     post = VaLLA(
-        model, "classification", None, p0, inducing_points=x[:6], inducing_classes=design,
-        kernel="ntk", learn_prior=True,
+        model, "classification", None, p0, subset=subset, inducing_points=x[:6],
+        inducing_classes=design, kernel="ntk", learn_prior=True,
     ).initialize((x, y))  # fmt: skip
     with torch.no_grad():  # a non-trivial q(u)
         post.chol_raw.copy_(0.1 * torch.randn(post.chol_raw.shape, dtype=DTYPE).tril())

@@ -52,8 +52,8 @@ class InducingFactors:
         groups: Sequence[Sequence[str]],
         chunk_size: int = 256,
     ) -> None:
-        dtype = dict(model.named_parameters())[subset.names[0]].dtype
-        unit = {n: torch.ones((), dtype=dtype) for n in subset.names}
+        first = dict(model.named_parameters())[subset.names[0]]
+        unit = {n: torch.ones((), dtype=first.dtype, device=first.device) for n in subset.names}
         self.plan = _KernelPlan(model, subset, unit, "auto", None)
         self.subset = subset
         self.group_of = {name: g for g, names in enumerate(groups) for name in names}

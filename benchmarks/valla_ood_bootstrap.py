@@ -77,4 +77,14 @@ def main(draws: int = 2000) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    from gaussify.cli_args import add_device_argument
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--draws", type=int, default=2000)
+    add_device_argument(parser)
+    args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and fits run on the host")
+    main(args.draws)

@@ -43,6 +43,7 @@ from gaussify.curvature.lastlayer import (
     lastlayer_products,
 )
 from gaussify.curvature.per_sample import per_sample_vjp, squared_vjp_sum
+from gaussify.curvature.sqrt_factor import SqrtFactor, sqrt_factor
 from gaussify.curvature.subset import ParameterSubset, check_prior
 from gaussify.likelihoods import (
     Bernoulli,
@@ -596,6 +597,12 @@ class GaussNewtonCurvature:
                 f = f + offset[rows].to(f.dtype)
             return self._factor(f, y[rows], None).transpose(1, 2)
 
+        def factor(f: Tensor) -> SqrtFactor | None:
+            # the exact GGN's Lambda^{1/2} as a structured factor (built-in likelihoods)
+            if offset is not None:
+                f = f + offset.to(f.dtype)
+            return sqrt_factor(self.likelihood, f)
+
         # squared_vjp_sum raises (naming the parameter) when the sum is not finite
         batch, f = squared_vjp_sum(
             model,
@@ -607,6 +614,7 @@ class GaussNewtonCurvature:
             out=batch,
             row_cotangents=None if self.mc_samples else row_cotangents,
             atomic=atomic,
+            factor=None if self.mc_samples or self.ef else factor,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:

@@ -32,17 +32,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gaussify.curvature.sqrt_factor import SqrtFactor
+
 __all__ = [
     "ChainPass",
     "backward_chunk",
     "backward_peak",
     "chain_forward",
+    "conv_reduction_peak",
     "conv_vector_group",
     "linear_chain",
     "module_chain",
     "rule_budget",
     "rule_chunk",
     "rule_columns",
+    "structured_chain",
 ]
 
 #: Element-wise activations: the vector-Jacobian product is g * phi'(a).
@@ -295,23 +299,36 @@ def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Ten
 
 
 def backward_chunk(
-    run: ChainPass, u: Tensor, wanted: list[int], rows: slice
-) -> Iterator[tuple[int, Tensor]]:
+    run: ChainPass, u: Tensor | SqrtFactor, wanted: list[int], rows: slice
+) -> Iterator[tuple[int, Tensor | SqrtFactor]]:
     """(i, delta_i (B, K, *out_i)) for the module positions ``wanted``, from the last to the
     first, for the output vectors ``u`` (B, K, C) of the samples ``rows``; each delta is the
     gradient of sum_n u_{k,n}^T f_n with respect to module i's output. Stops at the first
-    wanted module (nothing below it is propagated); one K-batched product per module."""
+    wanted module (nothing below it is propagated); one K-batched product per module. A
+    structured ``u`` (:class:`gaussify.curvature.sqrt_factor.SqrtFactor`, for a chain whose
+    last module is an ``nn.Linear``: :func:`structured_chain`) is yielded as itself at that
+    module and its product with the weight formed in O(B K d)."""
     first = min(wanted)
     targets = set(wanted)
-    g = u.detach()
+    g = u if isinstance(u, SqrtFactor) else u.detach()
     owned = False  # g is the caller's u until the first product replaces it
     for i in range(len(run.chain) - 1, first - 1, -1):
         if i in targets:
             yield i, g
         if i > first:
             with torch.no_grad():  # the weights require grad: no graph of the products
-                g = _vjp(run, i, g, rows, owned)
+                if isinstance(g, SqrtFactor):
+                    g = g.through_linear(_weight(run, i, g.dtype))
+                else:
+                    g = _vjp(run, i, g, rows, owned)
             owned = True
+
+
+def structured_chain(run: ChainPass) -> bool:
+    """Whether the chain's output is a final ``nn.Linear``'s, so that structured output
+    vectors (:class:`gaussify.curvature.sqrt_factor.SqrtFactor`) can enter
+    :func:`backward_chunk`."""
+    return type(run.chain[-1][1]) is nn.Linear and run.output.ndim == 2
 
 
 def conv_vector_group(conv: nn.Conv2d, k: int, out: int) -> int:
@@ -332,6 +349,7 @@ def rule_chunk(
     copies: int = 1,
     buffers: int = 0,
     floor: int = 1,
+    structured: bool = False,
 ) -> int:
     """Samples per backward chunk under the memory rule (see
     :func:`gaussify.curvature.chain_diag.chain_squared_sums`):
@@ -343,13 +361,15 @@ def rule_chunk(
     temporaries, for a convolution at ``per_sample_grads`` its patches and K per-sample weight
     gradients). ``rowwise``: the output vectors (K C per sample) are formed per chunk, not for
     the whole batch; ``buffers``: elements of the caller's per-batch buffers; ``floor``: the
-    fewest samples returned (0 says the budget does not hold one)."""
-    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers)
+    fewest samples returned (0 says the budget does not hold one); ``structured``: the output
+    vectors are a :class:`gaussify.curvature.sqrt_factor.SqrtFactor` of the whole batch (2 C
+    numbers per sample) entering the final linear layer (:func:`backward_peak`)."""
+    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers, structured)
     per = frozenset(per_sample_grads)
-    if (k, per) not in run.sizes:
-        run.sizes[(k, per)] = backward_peak(run, k, set(per))
-    per_sample = run.sizes[(k, per)]
-    per_sample += k * run.acts[-1][0].numel() if rowwise else 0
+    if (k, per, structured) not in run.sizes:
+        run.sizes[(k, per, structured)] = backward_peak(run, k, set(per), structured)
+    per_sample = run.sizes[(k, per, structured)]
+    per_sample += k * run.acts[-1][0].numel() if rowwise and not structured else 0
     return max(floor, budget // max(per_sample, 1))
 
 
@@ -361,9 +381,11 @@ def rule_budget(
     rowwise: bool = True,
     copies: int = 1,
     buffers: int = 0,
+    structured: bool = False,
 ) -> int:
     """Elements the K-fold backward tensors (or other per-chunk temporaries) may hold under
-    the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held)."""
+    the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held;
+    ``structured``: the 2 N C numbers of a structured factor instead)."""
     n = run.acts[0].shape[0]
     if "step" not in run.sizes:  # once per pass: a Python loop over the modules' parameters
         held = _held_activations(run)
@@ -374,6 +396,7 @@ def rule_budget(
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
     # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)
     vectors = 0 if rowwise else n * k * run.acts[-1][0].numel()  # rowwise: per chunk
+    vectors = 2 * n * run.acts[-1][0].numel() if structured else vectors
     budget = (17 * (step + storage)) // 10 - n * held_sum - vectors - copies * storage
     return budget - buffers
 
@@ -388,21 +411,22 @@ def rule_columns(
     rowwise: bool = False,
     copies: int = 1,
     buffers: int = 0,
+    structured: bool = False,
 ) -> int:
     """Output vectors propagated together when one sample with all K exceeds the rule's
     budget (:func:`rule_chunk` gives 0 samples): the most K' < K whose per-sample peak
     :func:`backward_peak` fits it (the backward pass is linear in the vectors, so the sums
     over K split into sums over groups of K' exactly), at least 1; K when one sample fits.
     With ``rowwise`` the K C vectors of the sample are formed whole per chunk."""
-    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers)
-    budget -= k * run.acts[-1][0].numel() if rowwise else 0
+    budget = rule_budget(run, model, k, storage, rowwise, copies, buffers, structured)
+    budget -= k * run.acts[-1][0].numel() if rowwise and not structured else 0
     per = set(per_sample_grads)
-    if backward_peak(run, k, per) <= budget:
+    if backward_peak(run, k, per, structured) <= budget:
         return k
     lo, hi = 1, k  # backward_peak grows with K: the largest K' with peak(K') <= budget
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if backward_peak(run, mid, per) <= budget else (lo, mid)
+        lo, hi = (mid, hi) if backward_peak(run, mid, per, structured) <= budget else (lo, mid)
     return lo
 
 
@@ -446,7 +470,9 @@ def _step_peak(run: ChainPass, model: nn.Module, held: list[int]) -> int:
     return peak
 
 
-def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
+def backward_peak(
+    run: ChainPass, k: int, per_sample_grads: set[int], structured: bool = False
+) -> int:
     """Elements per sample alive at once in :func:`backward_chunk` with K vectors (and the
     reductions of :func:`gaussify.curvature.chain_diag.chain_squared_sums` / the Gram sums
     at the positions it yields):
@@ -455,12 +481,19 @@ def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
     K 2 in for an autograd product at a zero input, none for a reshape) or, at a layer being
     reduced, a K-fold squared or reordered copy of its gradient (for a linear layer at
     ``per_sample_grads`` with its sums over K and its squared input), or for a convolution at
-    ``per_sample_grads`` its patches and K per-sample weight gradients (squared in place)."""
+    ``per_sample_grads`` its patches and K per-sample weight gradients (squared in place).
+    ``structured``: the final linear layer takes a structured factor (no K-fold input, its
+    reduction O(out))."""
     per_act = [a[0].numel() for a in run.acts]
     peak = 0
+    last = len(run.chain) - 1
     for i, (_, m) in enumerate(run.chain):
         out, inp = per_act[i + 1], per_act[i]
         kind = type(m)
+        if structured and i == last:
+            # u^T W = s (W - q^T W): the K-fold product and q^T W; the reduction's (B, out)
+            peak = max(peak, k * inp + inp + (3 * out + inp if i in per_sample_grads else 0))
+            continue
         if kind in (nn.Flatten, nn.Unflatten):
             alive = k * out
         elif kind in _ELEMENTWISE:
@@ -474,17 +507,27 @@ def backward_peak(run: ChainPass, k: int, per_sample_grads: set[int]) -> int:
             alive = k * (out + 2 * inp)  # autograd's product at a zero input
         peak = max(peak, alive)
         if i in per_sample_grads and kind is nn.Conv2d:
-            # the gradient, the patches and the per-sample weight gradients of a group of
-            # vectors (squared in place)
-            t = out // m.out_channels
-            patches = m.weight[0].numel() * m.groups * t
-            group = conv_vector_group(m, k, out)
-            peak = max(peak, k * out + patches + group * m.weight.numel())
+            peak = max(peak, conv_reduction_peak(m, k, out, inp))
         elif kind in (nn.Linear, nn.Conv2d):
             # the gradient and its square / reordered copy; a diagonal's sums over K and the
             # squared inputs of a linear layer
             peak = max(peak, k * 2 * out + (out + inp if i in per_sample_grads else 0))
     return peak
+
+
+def conv_reduction_peak(conv: nn.Conv2d, k: int, out: int, inp: int) -> int:
+    """Elements per sample of a convolution's diagonal reduction with K vectors (``out`` /
+    ``inp`` its output / input sizes per sample): for K = 1 one grouped
+    ``convolution_backward`` (:func:`gaussify.curvature.chain_diag.
+    _single_vector_squared_grads`): the gradient and input and the oneDNN reorders of both,
+    and the per-sample weight gradients (measured within the rule's margin); else the
+    gradient, the im2col patches and the per-sample weight gradients of a group of vectors
+    (squared in place)."""
+    if k == 1:
+        return 2 * (out + inp) + conv.weight.numel()
+    t = out // conv.out_channels
+    patches = conv.weight[0].numel() * conv.groups * t
+    return k * out + patches + conv_vector_group(conv, k, out) * conv.weight.numel()
 
 
 def _transposed_workspace(conv: nn.Conv2d, out: int, inp: int) -> int:

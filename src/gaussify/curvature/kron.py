@@ -87,6 +87,7 @@ from gaussify.curvature.kron_posterior import (
 )
 from gaussify.curvature.kron_predictive import traced_predictive
 from gaussify.curvature.layer_traces import _graph_uses
+from gaussify.curvature.sqrt_factor import sqrt_factor
 from gaussify.curvature.subset import (
     check_prior,
     expand_prior,
@@ -400,7 +401,8 @@ class KronGGN:
             num = 0 if vecs is None or not inner or chained is not None else vecs.shape[0]
             if chained is not None and inner:
                 storage = sum(t.numel() for t in (*self._a.values(), *self._b.values()))
-                source = vecs if vecs is not None else self._rows_vectors(at, y)
+                source = vecs if vecs is not None else sqrt_factor(self.likelihood, at)
+                source = self._rows_vectors(at, y) if source is None else source
                 paths = [ly.path for ly, _ in inner]
                 chain_output_grams(
                     model, chained[0], paths, source, self.kfac_approx, self._b, None, storage

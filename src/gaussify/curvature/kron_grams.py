@@ -25,8 +25,11 @@ from gaussify.curvature.batched_backward import (
     rule_budget,
     rule_chunk,
     rule_columns,
+    structured_chain,
 )
+from gaussify.curvature.conv_gram import conv_input_gram, shift_gram_applies
 from gaussify.curvature.patches import conv2d_patches
+from gaussify.curvature.sqrt_factor import SqrtFactor
 
 __all__ = [
     "KFACApprox",
@@ -111,7 +114,7 @@ def chain_output_grams(
     model: nn.Module,
     run: ChainPass,
     paths: list[str],
-    vecs: Tensor | Callable[[slice], Tensor],
+    vecs: Tensor | Callable[[slice], Tensor] | SqrtFactor,
     approx: KFACApprox,
     out: dict[str, Tensor],
     chunk_size: int | None,
@@ -121,25 +124,47 @@ def chain_output_grams(
     formed per chunk of samples, backpropagated to the
     outputs of the modules ``paths`` into ``out[path]``, with one K-batched backward pass
     per chunk of samples (``chunk_size``, else the memory rule of
-    :func:`gaussify.curvature.batched_backward.rule_chunk`)."""
+    :func:`gaussify.curvature.batched_backward.rule_chunk`). ``vecs`` may be a structured
+    factor of the whole batch (:class:`gaussify.curvature.sqrt_factor.SqrtFactor`, for a
+    chain ending with an ``nn.Linear`` not among ``paths``: the exact GGN's C vectors in
+    2 C numbers per sample, their product with the final weight in O(C d))."""
     n = run.output.shape[0]
     wanted = {run.position(p): p for p in paths}
+    structured = isinstance(vecs, SqrtFactor)
+    if structured and (not structured_chain(run) or len(run.chain) - 1 in wanted):
+        vecs = vecs.dense().transpose(0, 1)  # not a final linear layer's input: dense
+        structured = False
     rowwise = callable(vecs)
-    k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
-    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise, floor=0)
+    if isinstance(vecs, SqrtFactor):
+        k = vecs.num_vectors
+    else:
+        k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
+    flags = {"structured": structured}
+    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise, floor=0, **flags)
     cols = k
     if chunk == 0:  # one sample with all K vectors exceeds the rule: groups of K' vectors
-        chunk, cols = 1, rule_columns(run, model, k, storage, rowwise=rowwise)
+        chunk, cols = 1, rule_columns(run, model, k, storage, rowwise=rowwise, **flags)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        part = vecs(rows) if callable(vecs) else vecs[:, rows]
         for c0 in range(0, k, cols):
-            u = (part if cols >= k else part[c0 : c0 + cols]).transpose(0, 1)
-            u = u.to(run.output.dtype)
+            u = _vectors(vecs, rows, c0, min(c0 + cols, k), k).to(run.output.dtype)
             for i, d in backward_chunk(run, u, list(wanted), rows):
+                assert isinstance(d, Tensor)
                 g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
                 gram(g, approx, "sum", out=out[wanted[i]])
             del u
+
+
+def _vectors(
+    vecs: Tensor | Callable[[slice], Tensor] | SqrtFactor, rows: slice, lo: int, hi: int, k: int
+) -> Tensor | SqrtFactor:
+    """The output vectors k in [lo, hi) of the samples ``rows`` as (B, K', C) (or a
+    structured factor)."""
+    if isinstance(vecs, SqrtFactor):
+        part = vecs.rows(rows)
+        return part if hi - lo >= k else part.columns(lo, hi)
+    part = vecs(rows) if callable(vecs) else vecs[:, rows]
+    return (part if hi - lo >= k else part[lo:hi]).transpose(0, 1)
 
 
 def chain_input_budget(model: nn.Module, run: ChainPass, storage: int) -> int:
@@ -163,8 +188,13 @@ def input_gram(
     weight in the block, bias in the block). Chunks of samples keep the block inputs (a
     convolution's im2col patches are about kh kw times its input; 3 copies of them are alive
     at once, measured) within ``budget`` elements (the memory rule's,
-    :func:`chain_input_budget`), else near the input's size."""
+    :func:`chain_input_budget`), else near the input's size. A stride-1 convolution's
+    "expand" factor comes from shifted products instead of its patches where that is
+    cheaper (:mod:`gaussify.curvature.conv_gram`)."""
     path, use_weight, use_bias = block
+    if approx == "expand" and shift_gram_applies(module, inp):
+        assert isinstance(module, nn.Conv2d)
+        return conv_input_gram(module, inp, use_weight, use_bias, out, budget)
     n = inp.shape[0]
     per_sample = layer_inputs(module, inp[:1], path).numel() + 1
     if budget is None:

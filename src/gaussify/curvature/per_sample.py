@@ -45,6 +45,7 @@ from gaussify.curvature.patches import (
     conv_per_sample_elements,
     conv_weight_grads,
 )
+from gaussify.curvature.sqrt_factor import SqrtFactor
 from gaussify.curvature.subset import ParameterSubset
 
 __all__ = ["per_sample_vjp", "squared_vjp_sum"]
@@ -173,6 +174,7 @@ def squared_vjp_sum(
     out: Tensor | None = None,
     row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
     atomic: bool = False,
+    factor: Callable[[Tensor], SqrtFactor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -200,7 +202,8 @@ def squared_vjp_sum(
     temporary). ``atomic``: ``out`` changes only if the batch's sums are complete and finite
     (else it is left as it was and the error raised): a chain of linear layers defers its
     additions to the end of the batch and checks them first (no P-sized temporary); every
-    other route sums into a temporary added at the end.
+    other route sums into a temporary added at the end. ``factor``: the cotangents as a
+    structured factor of f, for the batched route (:func:`chain_squared_sums`).
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
@@ -233,6 +236,7 @@ def squared_vjp_sum(
             out.numel(),
             row_cotangents,
             atomic=atomic,
+            factor=factor,
         )
     total = out
     if chained is None and atomic:

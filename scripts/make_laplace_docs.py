@@ -140,8 +140,7 @@ def uci_vi_table(res: dict[str, Any], methods: tuple[str, ...] = VI_METHODS) -> 
         diff = max((r["map_test_nll_diff"] or 0.0) for r in runs)
         lines += [
             "",
-            f"GLM VI: {merged['vi_steps']} full-batch steps, gamma {merged['vi_lr']:g}, "
-            f"S = {merged['vi_samples']} antithetic samples from the GLM Laplace posterior; "
+            f"GLM VI: {_vi_settings(runs)}, from the GLM Laplace posterior; "
             f"{splits} splits (seeds {res['config']['splits']}), delta selected on validation "
             f"NLL per split and method. `config.merged.runs` lists the {len(runs)} runs that "
             f"added columns ({minutes:.0f} min of compute in all, superseded ones included); "
@@ -149,6 +148,34 @@ def uci_vi_table(res: dict[str, Any], methods: tuple[str, ...] = VI_METHODS) -> 
             f"the MAP records of the base run: {diff:.1g}; BBB needs none).",
         ]
     return "\n".join(lines)
+
+
+def _vi_settings(runs: list[dict[str, Any]]) -> str:
+    """The GLM-VI steps, gamma and S in force per column and data set: a later run's records
+    replace an earlier one's, so the last run that added a (data set, column) decides."""
+    latest: dict[tuple[str, str], tuple[int, float, int]] = {}
+    for run in runs:
+        for method in ("glm_vi", "glm_vi_diag"):
+            if method not in run.get("methods", []) or "vi_steps" not in run:
+                continue
+            lr = run["vi_lr"]
+            if method == "glm_vi_diag" and run.get("vi_lr_diag") is not None:
+                lr = run["vi_lr_diag"]
+            for name in run["datasets"]:
+                latest[(name, method)] = (run["vi_steps"], lr, run["vi_samples"])
+    groups: dict[tuple[int, float, int], list[str]] = {}
+    for (name, method), setting in latest.items():
+        groups.setdefault(setting, []).append(f"{name} {LABELS[method]}")
+    if len(groups) <= 1:
+        return "; ".join(_vi_text(*k) for k in groups) or "no GLM-VI run"
+    common = max(groups, key=lambda k: len(groups[k]))
+    others = [f"{', '.join(v)}: {_vi_text(*k)}" for k, v in groups.items() if k != common]
+    return f"{_vi_text(*common)} ({'; '.join(others)})"
+
+
+def _vi_text(steps: int, lr: float, samples: int) -> str:
+    draws = "antithetic samples" if samples % 2 == 0 else "sample" if samples == 1 else "samples"
+    return f"{steps} full-batch steps, gamma {lr:g}, S = {samples} {draws}"
 
 
 def uci_table1(res: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -174,6 +175,49 @@ def test_uci_glm_vi_merge_and_map_cache(tmp_path: pytest.TempPathFactory) -> Non
     rows = {r["method"]: r for r in merged["rows"]}
     assert rows["glm_vi"]["num_splits"] == 1 and rows["glm_vi"]["paper_nll"] == [0.75, 0.02]
     assert rows["bnn_laplace"]["missing"]
+
+
+def test_uci_glm_vi_step_size_per_structure() -> None:
+    """``vi_lr_diag`` is the diagonal GLM VI's gamma (App. B.3: 1e-3 full, 1e-2 diagonal) and
+    leaves the full structure at ``vi_lr``: each predictive equals the one of a config whose
+    single ``vi_lr`` is that structure's gamma, and differs from the other gamma's."""
+    from gaussify.experiments.uci_methods import glm_vi_probs, mlp
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 3)
+    y = (x[:, 0] + 0.3 * torch.randn(40) > 0).long()
+    model = mlp(3, 2, 6)
+
+    def probs(structure: str, lr: float, lr_diag: float | None) -> torch.Tensor:
+        cfg = uci_classification.Config(
+            ["glass"], [0], 2, 10, 1e-2, 30, vi_steps=3, vi_lr=lr, vi_samples=1,
+            vi_lr_diag=lr_diag,
+        )  # fmt: skip
+        return glm_vi_probs(copy.deepcopy(model), structure, 0.5, (x, y), x[:10], cfg, 7)
+
+    assert torch.equal(probs("diag", 0.2, 0.05), probs("diag", 0.05, None))
+    assert torch.equal(probs("full", 0.2, 0.05), probs("full", 0.2, None))
+    assert (probs("diag", 0.2, 0.05) - probs("diag", 0.2, None)).abs().max() > 1e-4
+
+
+def test_uci_cli_passes_the_glm_vi_and_thread_options(monkeypatch) -> None:
+    """``--vi-lr``, ``--vi-lr-diag``, ``--vi-samples`` and ``--threads`` reach ``run``."""
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(uci_classification, "run", fake_run)
+    args = ["--datasets", "glass", "--vi-lr", "1e-3", "--vi-lr-diag", "1e-2"]
+    args += ["--vi-samples", "1", "--threads", "3", "--no-progress"]
+    with pytest.raises(Stop):
+        uci_classification.main(args)
+    assert (seen["vi_lr"], seen["vi_lr_diag"], seen["vi_samples"]) == (1e-3, 1e-2, 1)
+    assert seen["num_threads"] == 3
 
 
 def test_uci_cli_merge_prints_the_merged_table(tmp_path, capsys) -> None:

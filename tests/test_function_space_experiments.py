@@ -218,3 +218,36 @@ def test_regression_valla_trains_its_whole_budget_unless_patience_is_given() -> 
     early = reg.run(**kw, num_inducing=3, valla_epochs=4, valla_patience=1)  # type: ignore[arg-type]
     assert early.config["valla_patience"] == 1
     assert 1 <= early.records[0]["steps"] <= 12  # scored every step, stopped at a worse one
+
+
+def test_regression_seeds_summary_and_the_papers_trapezoid_cqm() -> None:
+    """``seeds``: one table per seed, records tagged by seed, ``summary`` = mean and standard
+    error over the seeds; ``cqm_paper`` is the 11-level trapezoid estimate of eq. 22 of the
+    kept predictive (equal to a hand-written trapezoid of the coverage gaps)."""
+    from gaussify import metrics
+    from gaussify.experiments import function_space_regression as reg
+
+    kw = dict(datasets=["power"], methods=["map", "last_layer"], max_train=60, epochs=1, width=4)
+    res = reg.run(**kw, seeds=2, keep_predictions=True)  # type: ignore[arg-type]
+    assert res.config["seeds"] == [0, 1]
+    assert [(r["seed"], r["method"]) for r in res.records] == [
+        (0, "map"), (0, "last_layer"), (1, "map"), (1, "last_layer"),
+    ]  # fmt: skip
+    assert res.summary is not None and len(res.summary) == 2
+    for row in res.summary:
+        vals = [r["cqm_paper"] for r in res.records if r["method"] == row["method"]]
+        assert row["num_seeds"] == 2
+        assert math.isclose(row["cqm_paper_mean"], sum(vals) / 2, rel_tol=1e-12)
+        assert math.isclose(row["cqm_paper_se"], abs(vals[0] - vals[1]) / 2, rel_tol=1e-9)
+    for r in res.records:
+        z = ((r["y"] - r["mean"]) / r["var"].sqrt()).abs().reshape(-1)
+        levels = [k / 10 for k in range(11)]
+        gaps = []
+        for a in levels:  # fraction strictly inside the centred interval of mass a
+            half = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((1 + a) / 2)).double()
+            gaps.append(0.0 if a == 1 else abs(float((z < half).double().mean()) - a))
+        trapezoid = sum(0.1 * (gaps[k] + gaps[k + 1]) / 2 for k in range(10))
+        assert math.isclose(r["cqm_paper"], trapezoid, abs_tol=1e-12)
+        exact = metrics.cqm(r["mean"], r["var"].sqrt(), r["y"].reshape(r["mean"].shape))
+        assert math.isclose(r["cqm"], exact, rel_tol=1e-12)
+    assert "seeds" in res.to_dict()["config"] and "summary" in res.to_dict()

@@ -149,3 +149,97 @@ def test_cli_writes_json_and_figure(tmp_path, monkeypatch) -> None:
 def test_bad_input(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         exp.run(**kwargs)
+
+
+def test_train_maps_reports_each_pairs_objective_gradient_norm() -> None:
+    """``grad_norms`` holds, per pair, ||grad|| of that pair's own objective
+    sum_n (y_n - f_n)^2 / (2 sigma^2 N) + delta ||theta||^2 / (2 N) at the returned weights
+    (float64 autograd oracle on a network loaded with the state)."""
+    toy = gap_toy(0)
+    pairs = [(0.5, 0.1), (1e-3, 1.0)]
+    norms: list[float] = []
+    states = exp.train_maps(toy, pairs, 4, 1, 15, 1e-2, 2, grad_norms=norms)
+    assert len(norms) == 2
+    for (delta, sigma2), state, norm in zip(pairs, states, norms, strict=True):
+        model = tanh_mlp(1, 1, 4, 1, 2)
+        model.load_state_dict(state)
+        n = len(toy.y_train)
+        theta = list(model.parameters())
+        loss = ((toy.y_train - model(toy.x_train)) ** 2).sum() / (2 * sigma2 * n)
+        loss = loss + delta * sum(p.square().sum() for p in theta) / (2 * n)
+        grads = torch.autograd.grad(loss, theta)
+        oracle = float(torch.cat([g.reshape(-1) for g in grads]).norm())
+        assert norm == pytest.approx(oracle, rel=1e-9, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def two_seeds() -> exp.RegressionSelection:
+    return exp.run(
+        deltas=[1e-3, 0.1, 10.0], sigma2s=[0.01, 0.1, 1.0], fine_points=2, width=4, depth=1,
+        epochs=60, seeds=[0, 1], glm_grid=False,
+    )  # fmt: skip
+
+
+def test_several_seeds_select_on_the_surfaces_averaged_over_seeds(two_seeds) -> None:
+    """With seeds [0, 1]: mean_grid is the per-pair mean of the two seeds' rows, the summary's
+    pairs are the argmax of the mean evidence / mean test log-likelihood, per_seed holds each
+    seed's own argmax, and the rank of the selected pair counts the pairs with a larger mean
+    test log-likelihood."""
+    res = two_seeds
+    assert len(res.grid) == 18 and {r["seed"] for r in res.grid} == {0, 1}
+    for m in res.mean_grid:
+        here = [r for r in res.grid if (r["delta"], r["sigma2"]) == (m["delta"], m["sigma2"])]
+        assert len(here) == 2
+        for key in ("log_evidence", "test_ll_map", "test_ll_map_outside_gap"):
+            assert m[key] == pytest.approx((here[0][key] + here[1][key]) / 2, rel=1e-14)
+    s = res.summary
+    best = max(res.mean_grid, key=lambda r: r["log_evidence"])
+    top = max(res.mean_grid, key=lambda r: r["test_ll_map"])
+    assert (s["delta_by_evidence"], s["sigma2_by_evidence"]) == (best["delta"], best["sigma2"])
+    assert (s["delta_by_test_ll"], s["sigma2_by_test_ll"]) == (top["delta"], top["sigma2"])
+    assert s["test_ll_map_best"] == top["test_ll_map"]
+    assert s["test_ll_rank_at_evidence"] == 1 + sum(
+        r["test_ll_map"] > best["test_ll_map"] for r in res.mean_grid
+    )
+    for per in s["per_seed"]:
+        rows = [r for r in res.grid if r["seed"] == per["seed"]]
+        own = max(rows, key=lambda r: r["log_evidence"])
+        selected = (per["delta_by_evidence"], per["sigma2_by_evidence"])
+        assert selected == (own["delta"], own["sigma2"])
+        assert per["map_grad_norm_max"] == max(r["map_grad_norm"] for r in rows)
+    assert res.config["seeds"] == [0, 1] and res.to_dict()["mean_grid"] == res.mean_grid
+
+
+def test_outside_gap_log_likelihood_and_glm_nll_at_the_selected_pair(two_seeds) -> None:
+    """A row's test log-likelihood outside the gap is the Gaussian average over the test
+    inputs outside (-0.5, 0.5) (recomputed from a retrained MAP); without the GLM grid, the
+    rows hold no GLM NLL and the summary's is the GLM predictive's at the selected pair with
+    the first seed's MAP."""
+    toy = gap_toy(0)
+    row = next(r for r in two_seeds.grid if r["seed"] == 1 and r["delta"] == 0.1)
+    state = exp.train_maps(toy, [(row["delta"], row["sigma2"])], 4, 1, 60, 1e-2, 1)[0]
+    model, _ = exp.fit_point(toy, row["delta"], row["sigma2"], state, 4, 1)
+    x = toy.x_test[:, 0]
+    out = (x < GAP[0]) | (x > GAP[1])
+    with torch.no_grad():
+        f = model(toy.x_test)
+    ll = -0.5 * math.log(2 * math.pi * row["sigma2"]) - 0.5 * (toy.y_test - f) ** 2 / row["sigma2"]
+    assert row["test_ll_map_outside_gap"] == pytest.approx(float(ll[out].mean()), abs=1e-9)
+    assert row["test_ll_map"] == pytest.approx(float(ll.mean()), abs=1e-9)
+    assert 0 < int(out.sum()) < len(x)
+    assert all(r["test_nll_glm"] is None for r in two_seeds.grid)
+    s = two_seeds.summary
+    states = exp.train_maps(toy, [(s["delta_by_evidence"], s["sigma2_by_evidence"])], 4, 1, 60,
+                            1e-2, 0)  # fmt: skip
+    _, la0 = exp.fit_point(toy, s["delta_by_evidence"], s["sigma2_by_evidence"], states[0], 4, 1)
+    nll = float(-la0.predict(toy.x_test, method="glm").log_prob(toy.y_test).mean())
+    assert s["test_nll_glm_at_evidence"] == pytest.approx(nll, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"), [({"seeds": [0, 0]}, "seeds"), ({"seeds": []}, "seeds"),
+                         ({"jobs": 0}, "jobs")],
+)  # fmt: skip
+def test_bad_seeds_and_jobs(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        exp.run(**kwargs)

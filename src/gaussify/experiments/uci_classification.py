@@ -189,6 +189,7 @@ class Config:
     vi_steps: int = 30
     vi_lr: float = 0.2
     vi_samples: int = 2
+    vi_lr_diag: float | None = None
     map_cache: str | None = None
     bbb_epochs: int = 1000
     bbb_lr: float = 1e-2
@@ -500,6 +501,7 @@ def run(
     vi_steps: int | None = None,
     vi_lr: float = 0.2,
     vi_samples: int = 2,
+    vi_lr_diag: float | None = None,
     map_cache: str | Path | None = None,
     bbb_epochs: int | None = None,
     bbb_lr: float = 1e-2,
@@ -519,7 +521,9 @@ def run(
     busy machine; None keeps the current setting). ``methods``: which of :data:`METHODS` to
     evaluate (default all, without ``glm_vi`` when ``quick``; the MAP is always reported);
     ``vi_steps``/``vi_lr``/``vi_samples``: GLM-VI steps (default 30, 5 with ``quick``),
-    gamma and antithetic samples S; ``map_cache``: a directory where MAP weights are stored
+    gamma and samples S per step (antithetic pairs when S is even); ``vi_lr_diag``: gamma of
+    the diagonal GLM VI when it differs (App. B.3: 1e-3 full, 1e-2 diagonal; default
+    ``vi_lr``); ``map_cache``: a directory where MAP weights are stored
     and reused (keyed by data set, split, delta, epochs, lr and width), so that further
     methods cost no retraining. ``bbb_epochs``/``bbb_lr``: full-batch Adam steps (default
     1000, 100 with ``quick``) and initial learning rate (cosine-decayed) of Bayes by backprop.
@@ -557,6 +561,7 @@ def run(
         vi_steps=vi_steps if vi_steps is not None else (5 if quick else 30),
         vi_lr=vi_lr,
         vi_samples=vi_samples,
+        vi_lr_diag=vi_lr_diag,
         map_cache=None if map_cache is None else str(map_cache),
         bbb_epochs=bbb_epochs if bbb_epochs is not None else (100 if quick else 1000),
         bbb_lr=bbb_lr,
@@ -600,9 +605,13 @@ def run(
         "our 'GLM refine'; our 'GLM Laplace' keeps the mode at theta*.",
     ]
     if set(VI_METHODS) & set(cfg.methods):
+        gammas = f"gamma {cfg.vi_lr:g}"
+        if cfg.vi_lr_diag is not None and cfg.vi_lr_diag != cfg.vi_lr:
+            gammas = f"gamma {cfg.vi_lr:g} full / {cfg.vi_lr_diag:g} diag"
+        draws = "antithetic" if cfg.vi_samples % 2 == 0 else "independent"
         notes.append(
             f"GLM VI: q_0 = GLM Laplace at theta*, {cfg.vi_steps} full-batch natural-gradient "
-            f"steps, gamma {cfg.vi_lr:g}, S = {cfg.vi_samples} (antithetic) (paper: 250 steps, "
+            f"steps, {gammas}, S = {cfg.vi_samples} ({draws}) (paper: 250 steps, "
             "gamma 1e-3 full / 1e-2 diag)."
         )
     if "glm_laplace_diag" in cfg.methods:
@@ -695,11 +704,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-samples", type=positive_int, default=None, help="MC samples (1000)")
     parser.add_argument("--n-jobs", type=positive_int, default=1, help="worker processes (1)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=1, help="torch threads with --n-jobs 1 (1)"
+    )
     parser.add_argument("--methods", nargs="+", default=None, help=f"subset of {METHODS}")
     parser.add_argument(
         "--split-seeds", nargs="+", type=nonnegative_int, default=None, help="explicit"
     )
     parser.add_argument("--vi-steps", type=positive_int, default=None, help="GLM-VI steps (30)")
+    parser.add_argument("--vi-lr", type=positive_float, default=0.2, help="GLM-VI gamma (0.2)")
+    parser.add_argument(
+        "--vi-lr-diag", type=positive_float, default=None, help="diagonal GLM-VI gamma (--vi-lr)"
+    )
+    parser.add_argument("--vi-samples", type=positive_int, default=2, help="GLM-VI S (2)")
     parser.add_argument("--map-cache", type=Path, default=None, help="reuse MAP weights here")
     parser.add_argument(
         "--bbb-epochs", type=positive_int, default=None, help="Bayes-by-backprop steps (1000)"
@@ -727,8 +744,12 @@ def main(argv: list[str] | None = None) -> int:
         grid_size=args.grid_size,
         num_samples=args.num_samples,
         n_jobs=args.n_jobs,
+        num_threads=args.threads,
         methods=args.methods,
         vi_steps=args.vi_steps,
+        vi_lr=args.vi_lr,
+        vi_samples=args.vi_samples,
+        vi_lr_diag=args.vi_lr_diag,
         map_cache=args.map_cache,
         bbb_epochs=args.bbb_epochs,
     )

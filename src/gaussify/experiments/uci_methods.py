@@ -37,19 +37,21 @@ def glm_vi_probs(
     cfg: Any,
     gen: int,
 ) -> Tensor:
-    """GLM VI at theta*: q_0 = GLM Laplace, ``vi_steps`` full-batch NGVI steps (thesis eq.
-    4.2-4.3 in the GLM), then the GLM predictive with the Monte Carlo link. The full
+    """GLM VI at theta*: q_0 = GLM Laplace, ``vi_steps`` full-batch NGVI steps of size
+    ``vi_lr`` (``vi_lr_diag`` for the diagonal structure when set; thesis eq. 4.2-4.3 in the
+    GLM), then the GLM predictive with the Monte Carlo link. The full
     structure steps with :class:`~gaussify.weight_space.glm_vi_cached.CachedGLMVI` (J*
     computed once; each step equals a ``GLMVI`` step up to round-off); the diagonal one keeps
     ``GLMVI``, whose steps are cheap, so that its recorded results stay bit-identical (at
     delta = 0.01 its float32 trajectory amplifies round-off differences)."""
     engine = CachedGLMVI if structure == "full" else GLMVI
+    lr = cfg.vi_lr_diag if structure == "diag" and cfg.vi_lr_diag is not None else cfg.vi_lr
     vi = engine(
         model,
         "classification",
         structure,  # type: ignore[arg-type]
         prior_precision=delta,
-        lr=cfg.vi_lr,
+        lr=lr,
         num_samples=cfg.vi_samples,
         antithetic=cfg.vi_samples % 2 == 0,
         seed=gen,

@@ -5,8 +5,12 @@ one value, one per parameter tensor (a group each) or one per parameter. K_ZZ an
 formed from Jacobians ("jacobian" route: the (M C, P) Jacobian at Z cached while Z is fixed)
 or by :func:`gaussify.function_space.ntk.ntk` ("ntk" route: per layer, no P-sized rows). While
 Z is fixed, K_ZZ is cached as one unit-prior Gram matrix per prior group, so a step with a
-learned prior costs no pass over Z: K_ZZ = sum_g G_g / delta_g. Inducing inputs start at
-K-means centres of the training inputs.
+learned prior costs no pass over Z: K_ZZ = sum_g G_g / delta_g. On the "ntk" route the
+per-layer factors of the kept inducing values are cached too
+(:class:`gaussify.function_space.valla_factors.InducingFactors`), so a step forms only its
+minibatch's factors, once for K_{Z x} and k(x, x), and K_{Z x} = sum_g K_g / delta_g from
+unit-prior components (a per-parameter prior takes the uncached route). Inducing inputs start
+at K-means centres of the training inputs.
 
 The inducing outputs are either all C outputs at every inducing input (M C of them) or, as in
 the authors' code for classification, one output per inducing input: pairs (z_m, c_m) whose
@@ -30,7 +34,8 @@ from torch import Tensor, nn
 from gaussify.batches import Batches, as_batches
 from gaussify.curvature.jacobian import jacobians
 from gaussify.curvature.subset import ParameterSubset, expand_prior
-from gaussify.function_space.ntk import ntk, ntk_components, ntk_diag
+from gaussify.function_space.ntk import ntk, ntk_diag
+from gaussify.function_space.valla_factors import InducingFactors
 
 __all__ = ["InducingKernel"]
 
@@ -48,6 +53,7 @@ class InducingKernel:
     seed: int
     _jz_cache: Tensor
     _zz_grams: list[Tensor] | None
+    _z_factors: InducingFactors | None
     _warned_jitter: bool
     _rows: Tensor | None
 
@@ -138,6 +144,12 @@ class InducingKernel:
 
     def _batch_kernels(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(K_{Z x} (MC, BC), the per-sample prior blocks k(x_n, x_n) (B, C, C))."""
+        factors = getattr(self, "_z_factors", None)
+        if self.kernel == "ntk" and factors is not None:
+            cross, diag = factors.batch(x)
+            inv = self._group_inv()
+            k_zx = torch.einsum("g,gkbc->kbc", inv, cross)
+            return k_zx.reshape(k_zx.shape[0], -1), torch.einsum("g,gbcd->bcd", inv, diag)
         if self.kernel == "ntk":
             prior = self.log_prior.exp()
             k_zx = ntk(self.model, self.inducing_points.detach(), x, self.subset, prior)
@@ -227,11 +239,13 @@ class InducingKernel:
         return centres.reshape(m, *x.shape[1:])
 
     def _refresh_cache(self) -> None:
-        """Cache what depends on Z alone: Jacobians at Z (jacobian route) and the unit-prior
-        K_ZZ components of each prior group (both routes), unless Z is learned."""
+        """Cache what depends on Z alone: Jacobians at Z (jacobian route), the per-layer
+        factors of the kept inducing values ("ntk" route) and the unit-prior K_ZZ components
+        of each prior group (both routes), unless Z is learned."""
         z = self.inducing_points.detach()
         names = self._group_names()
         self._zz_grams = None
+        self._z_factors = None
         if self.kernel == "jacobian":
             jz = jacobians(self.model, z, self.subset)
             self._jz_cache = self._keep(jz.reshape(-1, jz.shape[-1]))
@@ -239,6 +253,5 @@ class InducingKernel:
             if groups is not None and not self.learn_inducing:
                 self._zz_grams = [self._jz_cache[:, g] @ self._jz_cache[:, g].T for g in groups]
         elif names is not None:
-            comps = ntk_components(self.model, z, None, self.subset, groups=names)
-            mc = comps.shape[1] * comps.shape[2]
-            self._zz_grams = [self._keep(g, cols=True) for g in comps.reshape(-1, mc, mc)]
+            self._z_factors = InducingFactors(self.model, self.subset, z, self._rows, names)
+            self._zz_grams = list(self._z_factors.gram())

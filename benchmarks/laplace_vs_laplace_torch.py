@@ -18,7 +18,8 @@ configuration (gaussify, and laplace-torch with each of its GGN backends) in a f
 subprocess on the same weights and data:
 
 * fit time (constructor + ``fit`` over the same DataLoader),
-* prior-tuning time (gaussify ``optimize_prior(method="gradient", n_steps=100, lr=0.1)`` vs
+* prior-tuning time (gaussify ``optimize_prior(method="gradient", n_steps=100, lr=0.1,
+  fixed_steps=True)`` vs
   laplace-torch ``optimize_prior_precision(pred_type="glm", method="marglik", n_steps=100,
   lr=0.1)``, both Adam on the log of a scalar prior from the MAP prior: the same 100 steps on
   both sides, not gaussify's default, which tunes to convergence (closed form / L-BFGS)),
@@ -286,7 +287,9 @@ class GaussifyRunner:
             return float(self.la.log_marginal_likelihood(prior))
 
     def tune_prior(self, n_steps: int) -> float:
-        self.la.optimize_prior(method="gradient", n_steps=n_steps, lr=LR)
+        # exactly n_steps Adam steps from the current prior: laplace-torch's tuning (the
+        # default optimize_prior runs L-BFGS to convergence instead)
+        self.la.optimize_prior(method="gradient", n_steps=n_steps, lr=LR, fixed_steps=True)
         return float(self.la.prior_precision)
 
     def set_prior(self, prior: float) -> None:

@@ -20,13 +20,10 @@ import os
 import time
 
 import torch
+from valla_vs_ella_time import mnist_setting  # this folder: the same setting
 
 import gaussify as gs
 from gaussify.cli_args import add_device_argument
-from gaussify.experiments import function_space_images as fi
-from gaussify.experiments._runner import train_map_eval
-from gaussify.function_space.ella import select_landmarks
-from gaussify.function_space.ntk import ntk
 
 
 def main() -> None:
@@ -38,14 +35,7 @@ def main() -> None:
     if args.device.type != "cpu":
         parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
     torch.set_num_threads(1)
-    ds = gs.data.load("mnist", seed=0, dtype=torch.float64, flatten=True, max_train=2000)
-    x, y, val = ds.x_train, ds.y_train, (ds.x_val, ds.y_val)
-    model = fi.make_mlp(x.shape[1], 100, 10, 0)
-    train_map_eval(model, (x, y), "classification", {"epochs": 10, "seed": 0}, batch_size=128)
-    z = select_landmarks((x, y), 200, "random", 0)
-    k_zz = ntk(model, z, None, "all", 1.0)
-    evals = torch.linalg.eigvalsh(k_zz.reshape(2000, 2000)).flip(0)
-    tol = float(evals[19] / evals[0]) * (1 - 1e-9)
+    model, x, y, val, tol = mnist_setting(20)
     out: dict[str, object] = {"what": __doc__.split("\n")[0], "load_avg_start": os.getloadavg()}
     rows = []
     for _ in range(args.repeats):

@@ -25,8 +25,10 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
+from torch import Tensor
 
 import gaussify as gs
 from gaussify.cli_args import add_device_argument
@@ -34,6 +36,21 @@ from gaussify.experiments import function_space_images as fi
 from gaussify.experiments._runner import train_map_eval
 from gaussify.function_space.ella import select_landmarks
 from gaussify.function_space.ntk import ntk
+
+
+def mnist_setting(ella_features: int) -> tuple[torch.nn.Module, Tensor, Tensor, Any, float]:
+    """The experiment's MNIST setting (2000 training images, the 784-100-100-10 tanh MAP after
+    10 epochs) and ELLA's ``eig_tol`` keeping its top ``ella_features`` eigen-directions of the
+    NTK at 200 random landmarks: ``(model, x, y, (x_val, y_val), eig_tol)``. Shared with
+    ``valla_vs_ella_jacobian_route.py``."""
+    ds = gs.data.load("mnist", seed=0, dtype=torch.float64, flatten=True, max_train=2000)
+    x, y, val = ds.x_train, ds.y_train, (ds.x_val, ds.y_val)
+    model = fi.make_mlp(x.shape[1], 100, 10, 0)
+    train_map_eval(model, (x, y), "classification", {"epochs": 10, "seed": 0}, batch_size=128)
+    z = select_landmarks((x, y), 200, "random", 0)
+    k_zz = ntk(model, z, None, "all", 1.0)
+    evals = torch.linalg.eigvalsh(k_zz.reshape(k_zz.shape[0] * k_zz.shape[1], -1)).flip(0)
+    return model, x, y, val, float(evals[ella_features - 1] / evals[0]) * (1 - 1e-9)
 
 
 def main() -> None:
@@ -49,15 +66,7 @@ def main() -> None:
         parser.error(f"--device {args.device}: the experiment's data and MAP run on the host")
     torch.set_num_threads(1)
     load_start = os.getloadavg()
-    ds = gs.data.load("mnist", seed=0, dtype=torch.float64, flatten=True, max_train=2000)
-    x, y, val = ds.x_train, ds.y_train, (ds.x_val, ds.y_val)
-    model = fi.make_mlp(x.shape[1], 100, 10, 0)
-    train_map_eval(model, (x, y), "classification", {"epochs": 10, "seed": 0}, batch_size=128)
-
-    z = select_landmarks((x, y), 200, "random", 0)
-    k_zz = ntk(model, z, None, "all", 1.0)
-    evals = torch.linalg.eigvalsh(k_zz.reshape(k_zz.shape[0] * k_zz.shape[1], -1)).flip(0)
-    ella_tol = float(evals[args.ella_features - 1] / evals[0]) * (1 - 1e-9)
+    model, x, y, val, ella_tol = mnist_setting(args.ella_features)
 
     def valla(design: str, **kw):
         return gs.VaLLA(

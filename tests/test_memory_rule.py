@@ -28,23 +28,17 @@ from gaussify.curvature.batched_backward import (
     rule_columns,
 )
 
-#: the benchmark's measurement of a peak (torch.profiler allocation events), not a copy of it
-alloc_peak = runpy.run_path(
+#: the benchmark's measurement of a peak (torch.profiler allocation events) and its CNN, not
+#: copies of them
+_FITS = runpy.run_path(
     str(Path(__file__).resolve().parents[1] / "benchmarks" / "curvature_fits.py")
-)["alloc_peak"]
+)
+alloc_peak = _FITS["alloc_peak"]
 
 
 def cnn(c: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(16 * 4 * 4, c),
-    ).eval()
+    """The benchmark's CNN (seeded): conv16-ReLU-conv16-ReLU-maxpool2-linear(256 -> c)."""
+    return _FITS["build_model"]("cnn", c).eval()
 
 
 def train_step(model: nn.Module, x: Tensor, y: Tensor) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gaussify import draws
+from gaussify.deferred_checks import check, check_finite, check_range, deferring
 
 __all__ = [
     "Bernoulli",
@@ -81,15 +82,20 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _check_f(f: Tensor) -> Tensor:
-    """Validate network outputs: a finite floating tensor of shape (N, C)."""
+def _check_f(f: Tensor, defer: bool = True) -> Tensor:
+    """Validate network outputs: a finite floating tensor of shape (N, C). The finiteness
+    test is recorded instead of made inside a fit's :func:`deferred_checks` scope (one host
+    sync per fit); ``defer=False`` tests at once (where NaN outputs would make a later
+    operation fail with a less clear error, e.g. sampling labels)."""
     if not isinstance(f, Tensor):
         raise TypeError(f"f: expected a torch.Tensor of shape (N, C), got {type(f).__name__}")
     if f.ndim != 2:
         raise ValueError(f"f: expected shape (N, C), got {tuple(f.shape)}")
     if not f.is_floating_point():
         raise ValueError(f"f: expected a floating-point tensor, got dtype {f.dtype}")
-    if not all_finite(f):
+    if defer:
+        check_finite(f, "f: network outputs contain NaN or inf")
+    elif not all_finite(f):
         raise ValueError("f: network outputs contain NaN or inf")
     return f
 
@@ -110,8 +116,8 @@ def _as_output_matrix(f: Tensor, y: Tensor, what: str) -> Tensor:
         raise ValueError(
             f"y: {what} targets must have shape {tuple(f.shape)} (same as f), got {tuple(y.shape)}"
         )
-    if y.is_floating_point() and torch.isnan(y).any():
-        raise ValueError("y: targets contain NaN")
+    if y.is_floating_point():
+        check(~torch.isnan(y).any(), "y: targets contain NaN")
     return y.to(f.dtype)
 
 
@@ -185,22 +191,26 @@ class Categorical:
     task = "classification"
 
     def _labels(self, f: Tensor, y: Tensor) -> Tensor:
+        """``y`` as int64 labels, checked integer-valued and in [0, C): on the device (no
+        host sync) inside a fit's :func:`deferred_checks` scope, where the labels are then
+        clamped into range so that the batch's remaining work runs until the scope raises."""
         _check_batch(f, y)
         if y.ndim != 1:
             raise ValueError(f"y: expected class labels of shape (N,), got {tuple(y.shape)}")
         if y.is_floating_point():
-            if torch.isnan(y).any():
-                raise ValueError("y: labels contain NaN")
-            if (y != y.round()).any():
-                raise ValueError("y: class labels must be integers")
+            check(~torch.isnan(y).any(), "y: labels contain NaN")
+            check((y == y.round()).all(), "y: class labels must be integers")
         y = y.long()
         num_classes = f.shape[1]
-        if y.numel() and (y.min() < 0 or y.max() >= num_classes):
-            raise ValueError(
-                f"y: labels must be in [0, {num_classes}), got range "
-                f"[{int(y.min())}, {int(y.max())}]"
-            )
-        return y
+        if not y.numel():
+            return y
+        lo, hi = torch.aminmax(y)
+
+        def message(lo: int, hi: int) -> str:
+            return f"y: labels must be in [0, {num_classes}), got range [{lo}, {hi}]"
+
+        check_range(lo, hi, num_classes, message)
+        return y.clamp(0, num_classes - 1) if deferring() else y
 
     def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
         f = _check_f(f)
@@ -211,8 +221,9 @@ class Categorical:
         """onehot(y) - softmax(f), shape (N, C)."""
         f = _check_f(f)
         y = self._labels(f, y)
-        onehot = torch.nn.functional.one_hot(y, f.shape[1]).to(f.dtype)
-        return onehot - torch.softmax(f, dim=-1)
+        # one-hot by comparison: F.one_hot tests the label range on the host (two syncs)
+        onehot = y.unsqueeze(-1) == torch.arange(f.shape[1], device=y.device)
+        return onehot.to(f.dtype) - torch.softmax(f, dim=-1)
 
     def hessian(self, f: Tensor) -> Tensor:
         p = torch.softmax(_check_f(f), dim=-1)
@@ -234,7 +245,7 @@ class Categorical:
         return torch.softmax(_check_f(f), dim=-1)
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        p = self.inverse_link(f)
+        p = torch.softmax(_check_f(f, defer=False), dim=-1)  # NaN would fail the draw
         return draws.categorical(p, generator)
 
 
@@ -248,8 +259,7 @@ class Bernoulli:
 
     def _targets(self, f: Tensor, y: Tensor) -> Tensor:
         y = _as_output_matrix(f, y, "binary")
-        if ((y != 0) & (y != 1)).any():
-            raise ValueError("y: binary targets must be 0 or 1")
+        check(((y == 0) | (y == 1)).all(), "y: binary targets must be 0 or 1")
         return y
 
     def log_prob(self, f: Tensor, y: Tensor) -> Tensor:
@@ -277,7 +287,7 @@ class Bernoulli:
         return torch.sigmoid(_check_f(f))
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return draws.bernoulli(self.inverse_link(f), generator)
+        return draws.bernoulli(torch.sigmoid(_check_f(f, defer=False)), generator)
 
 
 class HeteroscedasticGaussian:

@@ -45,6 +45,7 @@ from gaussify.curvature.lastlayer import (
 from gaussify.curvature.per_sample import per_sample_vjp, squared_vjp_sum
 from gaussify.curvature.sqrt_factor import SqrtFactor, sqrt_factor
 from gaussify.curvature.subset import ParameterSubset, check_prior
+from gaussify.deferred_checks import check_finite, deferring
 from gaussify.likelihoods import (
     Bernoulli,
     Categorical,
@@ -271,8 +272,7 @@ def check_offset(offset: Tensor | None, num_samples: int) -> Tensor | None:
     if not isinstance(offset, Tensor) or offset.ndim != 2 or offset.shape[0] != num_samples:
         shape = tuple(offset.shape) if isinstance(offset, Tensor) else type(offset).__name__
         raise ValueError(f"offset: expected shape (N, C) with N = {num_samples}, got {shape}")
-    if not all_finite(offset):
-        raise ValueError("offset: contains NaN or inf")
+    check_finite(offset, "offset: contains NaN or inf")
     return offset.detach()
 
 
@@ -447,11 +447,11 @@ class GaussNewtonCurvature:
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"model: expected outputs of shape (N, C), got {shape}")
-        if not all_finite(f):
-            raise ValueError(
-                "x: the model's outputs are NaN or infinite for this batch (check the inputs); "
-                "the accumulated curvature is unchanged"
-            )
+        check_finite(
+            f,
+            "x: the model's outputs are NaN or infinite for this batch (check the inputs); "
+            "the accumulated curvature is unchanged",
+        )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         phi = None if phi is None else phi.detach()
         if self.keep_outputs:
@@ -533,13 +533,15 @@ class GaussNewtonCurvature:
         def middle(sl: slice) -> Tensor:
             return self._factor_diag(f[sl], y[sl], None if draws is None else draws[:, sl])
 
-        if not all_finite(phi):
-            raise ValueError(
-                "x: the batch gives a NaN or infinite curvature (features of the output layer "
-                "not finite); the accumulated curvature is unchanged"
-            )
+        check_finite(
+            phi,
+            "x: the batch gives a NaN or infinite curvature (features of the output layer "
+            "not finite); the accumulated curvature is unchanged",
+        )
         target = out
-        if target is None or not _sum_cannot_overflow(phi, slices, middle, target):
+        if out is not None and deferring():
+            pass  # added directly: the fit tests the sum once (check_diagonal), no bound
+        elif target is None or not _sum_cannot_overflow(phi, slices, middle, target):
             target = torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
         for sl in slices:
             lastlayer_diag(phi[sl], middle(sl), self._layer, out=target)
@@ -578,10 +580,15 @@ class GaussNewtonCurvature:
                 target = self._lastlayer_diag(f, phi, y, draws, out)
                 return target, f, phi, draws
         # a chain of linear layers adds the batch to ``out`` only once it is complete and
-        # finite (squared_vjp_sum's ``atomic``): no P-sized temporary
+        # finite (squared_vjp_sum's ``atomic``): no P-sized temporary. Inside a fit's
+        # deferred_checks scope nothing is checked per batch here (the fit tests the sum,
+        # check_diagonal): added directly, no temporary on any route.
+        deferred = out is not None and deferring()
         atomic = out is not None and linear_chain(model)
         batch = (
-            out if atomic else torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
+            out
+            if atomic or deferred
+            else torch.zeros(self.num_params, dtype=self.dtype, device=self.device)
         )
         held: dict[str, Tensor | None] = {}
 
@@ -615,11 +622,12 @@ class GaussNewtonCurvature:
             row_cotangents=None if self.mc_samples else row_cotangents,
             atomic=atomic,
             factor=None if self.mc_samples or self.ef else factor,
+            checked=not deferred,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:
             self.last_outputs = (f, None)
-        if out is not None and not atomic:
+        if out is not None and not atomic and not deferred:
             batch = out.add_(batch)
         return batch, f, None, held.get("draws")
 

@@ -95,6 +95,7 @@ def chain_squared_sums(
     row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
     atomic: bool = False,
     factor: Callable[[Tensor], SqrtFactor | None] | None = None,
+    checked: bool = True,
 ) -> Tensor | None:
     """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
     linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
@@ -116,7 +117,11 @@ def chain_squared_sums(
     ``factor(f)``, if given and the chain ends with an ``nn.Linear``, gives the vectors as a
     structured factor (:class:`gaussify.curvature.sqrt_factor.SqrtFactor`, None where the
     likelihood has none) that must equal ``cotangents(f)``: 2 C numbers per sample, its
-    product with the final weight in O(C d) and that layer's squared sums in O(C)."""
+    product with the final weight in O(C d) and that layer's squared sums in O(C).
+
+    ``checked=False`` (a fit's deferred checks test the accumulated sum instead): with
+    ``atomic`` the deferred additions are made without the finiteness and overflow tests (no
+    host sync) and never summed apart first."""
     chain = module_chain(model)
     if chain is None or not layers:
         return None
@@ -182,14 +187,16 @@ def chain_squared_sums(
             return whole[rows]
 
     with torch.no_grad():
-        if atomic and staged:  # summed apart, added once complete and finite
+        if atomic and staged and checked:  # summed apart, added once complete and finite
             views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
             _accumulate_squares(
                 run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols
             )
             _add_staged(views, view)
         else:
-            _accumulate_squares(run, vectors, layers, wanted, view, chunk, buffered, cols, atomic)
+            _accumulate_squares(
+                run, vectors, layers, wanted, view, chunk, buffered, cols, atomic and checked
+            )
     return f
 
 

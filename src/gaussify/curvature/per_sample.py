@@ -175,6 +175,7 @@ def squared_vjp_sum(
     row_cotangents: Callable[[Tensor, slice], Tensor] | None = None,
     atomic: bool = False,
     factor: Callable[[Tensor], SqrtFactor | None] | None = None,
+    checked: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -204,6 +205,9 @@ def squared_vjp_sum(
     additions to the end of the batch and checks them first (no P-sized temporary); every
     other route sums into a temporary added at the end. ``factor``: the cotangents as a
     structured factor of f, for the batched route (:func:`chain_squared_sums`).
+    ``checked=False``: the sums are not tested for finite values here (nor is ``atomic``
+    honoured): the caller tests the accumulated result (a fit's deferred checks,
+    :func:`gaussify.curvature.diag.check_diagonal`).
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
@@ -237,9 +241,10 @@ def squared_vjp_sum(
             row_cotangents,
             atomic=atomic,
             factor=factor,
+            checked=checked,
         )
     total = out
-    if chained is None and atomic:
+    if chained is None and atomic and checked:
         out = torch.zeros_like(total)  # summed apart, added once complete and finite
     if chained is not None:
         f = chained
@@ -261,7 +266,8 @@ def squared_vjp_sum(
                 raise ValueError(f"cotangents: expected shape (N, K, C), got {tuple(u.shape)}")
             for sl in chunk_slices(n, chunk):
                 _add_squared_sums(model, x[sl], subset, linears, u[sl], chunk_size, out)
-    _check_finite(out, subset, model)
+    if checked:
+        _check_finite(out, subset, model)
     if out is not total:
         out = total.add_(out)
     return out, f

@@ -25,8 +25,8 @@ from gaussify.curvature import make_curvature
 from gaussify.curvature.jacobian import MIN_CHUNK_ELEMENTS, chunk_slices, jvp_with_outputs, vjp
 from gaussify.curvature.lastlayer import forward_with_features, lastlayer_jvp, lastlayer_vjp
 from gaussify.curvature.subset import expand_prior
+from gaussify.deferred_checks import check_finite, deferred_checks
 from gaussify.fastpath import functional_call
-from gaussify.likelihoods import all_finite
 from gaussify.validation import validated_batches
 from gaussify.weight_space.laplace_fields import LaplaceFields
 
@@ -87,31 +87,36 @@ def accumulate(
         iterator = tqdm(batches, desc=f"Laplace fit ({la.structure})", unit="batch")
     if hasattr(curvature, "keep_outputs"):
         curvature.keep_outputs = True  # hand (f, phi) over instead of a second forward
-    for x, y in iterator:
-        if shift is None:
-            # One forward pass besides the curvature's own: none on the last-layer path
-            # where the curvature kept its outputs and features, else one forward +
-            # backward that gives f, log p(y | f) and J^T r together.
-            curvature.update(la.model, x, y)
-            f, phi = outputs_after_update(la, curvature, x)
-            if f is None or phi is None:
-                f = outputs_and_gradient(la, x, y, grad)
-                log_lik += la.likelihood.log_prob(f, y).sum()
+    # the per-batch checks (finite outputs and gradients, labels in range, a finite
+    # curvature) are made on the device and tested once, after the last batch (one host
+    # sync per fit); a failure raises naming its batch, before anything is replaced
+    with deferred_checks() as scope:
+        for i, (x, y) in enumerate(iterator):
+            scope.batch = i
+            if shift is None:
+                # One forward pass besides the curvature's own: none on the last-layer path
+                # where the curvature kept its outputs and features, else one forward +
+                # backward that gives f, log p(y | f) and J^T r together.
+                curvature.update(la.model, x, y)
+                f, phi = outputs_after_update(la, curvature, x)
+                if f is None or phi is None:
+                    f = outputs_and_gradient(la, x, y, grad)
+                    log_lik += la.likelihood.log_prob(f, y).sum()
+                else:
+                    log_lik += feature_statistics(la, f, phi, y, grad)
             else:
-                log_lik += feature_statistics(la, f, phi, y, grad)
-        else:
-            f, offset, phi = linearised_outputs(la, x, shift)
-            curvature.update(la.model, x, y, offset=offset)
-            if phi is not None:
-                log_lik += feature_statistics(la, f, phi, y, grad)
-            else:
-                log_lik += la.likelihood.log_prob(f, y).sum()
-                grad += vjp(la.model, x, la.subset, la.likelihood.residual(f, y))
-        if la.task == "regression":
-            sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
-            sse = sq if sse is None else sse + sq
-        num_data += x.shape[0]
-        del f, phi  # not kept alive while the next batch is drawn and processed
+                f, offset, phi = linearised_outputs(la, x, shift)
+                curvature.update(la.model, x, y, offset=offset)
+                if phi is not None:
+                    log_lik += feature_statistics(la, f, phi, y, grad)
+                else:
+                    log_lik += la.likelihood.log_prob(f, y).sum()
+                    grad += vjp(la.model, x, la.subset, la.likelihood.residual(f, y))
+            if la.task == "regression":
+                sq = (y.reshape(f.shape).to(f.dtype) - f).square().sum(0)
+                sse = sq if sse is None else sse + sq
+            num_data += x.shape[0]
+            del f, phi  # not kept alive while the next batch is drawn and processed
     # torch.distributed: every statistic above is a sum over data (no-op without a group)
     distributed.reduce_curvature(curvature)
     log_lik, grad, sse, num_data = distributed.all_reduce_sum(log_lik, grad, sse, num_data)
@@ -182,11 +187,11 @@ def outputs_and_gradient(la: LaplaceFields, x: Tensor, y: Tensor, grad: Tensor) 
     f = f.detach()
     (grads,) = pullback(la.likelihood.residual(f, y).to(f.dtype))
     for name in la.subset.names:
-        if not all_finite(grads[name]):
-            raise ValueError(
-                f"non-finite gradient of the log-likelihood in parameter {name!r}: the "
-                "outputs or the network's Jacobian are NaN/inf for this batch (check x)"
-            )
+        check_finite(
+            grads[name],
+            f"non-finite gradient of the log-likelihood in parameter {name!r}: the "
+            "outputs or the network's Jacobian are NaN/inf for this batch (check x)",
+        )
     if la.subset.indices is not None:  # a subnetwork: its entries of the tensors
         grad += la.subset.flatten(grads)
         return f

@@ -1,0 +1,244 @@
+"""A fit's per-batch checks are made on the device and tested once (issue 17: no host syncs
+inside the fit loops): the number of host syncs of a fit does not grow with its batches, a
+failed check still raises its ValueError, now naming the batch, and the values equal the
+per-batch ``update`` loop's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+import gaussify as gs
+from gaussify.curvature import make_curvature
+from gaussify.curvature.fitting import fit_curvature
+from gaussify.deferred_checks import (
+    check,
+    check_finite,
+    check_finite_values,
+    check_range,
+    deferred_checks,
+    deferring,
+)
+
+DT = torch.float64
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the reads of a tensor's value on the host (``.item()``, ``bool(t)``,
+    ``int(t)``, ``float(t)`` all dispatch ``aten::_local_scalar_dense``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp(c: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, c)).to(DT).eval()
+
+
+def _cnn(c: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return (
+        nn.Sequential(
+            nn.Conv2d(1, 2, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8, c),
+        )
+        .to(DT)
+        .eval()
+    )
+
+
+def _data(model: str, rows: int, c: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, 3) if model == "mlp" else (rows, 1, 4, 4)
+    return torch.randn(*shape, generator=g, dtype=DT), torch.randint(0, c, (rows,), generator=g)
+
+
+def _syncs(fn) -> int:  # type: ignore[no-untyped-def]
+    with HostSyncs() as mode:
+        fn()
+    return mode.count
+
+
+# ---------------------------------------------------------------------- the sync count
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("ef", [False, True])
+def test_curvature_fit_host_syncs_do_not_grow_with_the_batches(
+    model_name: str, structure: str, ef: bool
+) -> None:
+    """A fit of 2 and of 8 batches reads the device the same number of times (one test of
+    all the batches' checks at the end), where the per-batch checks read it several times per
+    batch (the outputs' and labels' checks, the diagonal's finiteness and overflow tests)."""
+    c = 4 if model_name == "mlp" else 3
+    build = _mlp if model_name == "mlp" else _cnn
+    counts = []
+    for batches in (2, 8):
+        model = build(c)
+        x, y = _data(model_name, 4 * batches, c)
+        loader = DataLoader(TensorDataset(x, y), batch_size=4)
+        curv = make_curvature(structure, model, "classification", ef=ef)
+        counts.append(_syncs(lambda: fit_curvature(curv, model, loader)))  # noqa: B023
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_laplace_fit_host_syncs_do_not_grow_with_the_batches(structure: str, task: str) -> None:
+    """Laplace.fit's data pass (curvature, log-likelihood and its gradient per batch) reads
+    the device a fixed number of times, whatever the number of batches."""
+    c = 4 if task == "classification" else 2
+    counts = []
+    for batches in (2, 8):
+        model = _mlp(c)
+        g = torch.Generator().manual_seed(batches)
+        x = torch.randn(4 * batches, 3, generator=g, dtype=DT)
+        y = (
+            torch.randint(0, c, (4 * batches,), generator=g)
+            if task == "classification"
+            else torch.randn(4 * batches, c, generator=g, dtype=DT)
+        )
+        la = gs.Laplace(model, task, structure)
+        counts.append(_syncs(lambda: la.fit((x, y), batch_size=4)))  # noqa: B023
+    assert counts[0] == counts[1], counts
+
+
+# ---------------------------------------------------------------------- values and errors
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("ef", [False, True])
+def test_deferred_fit_equals_the_checked_updates(model_name: str, structure: str, ef: bool) -> None:
+    """fit_curvature (checks deferred; the diagonal added without its batch temporary) gives
+    the state of the per-batch checked ``update`` loop to round-off in float64."""
+    c = 4 if model_name == "mlp" else 3
+    build = _mlp if model_name == "mlp" else _cnn
+    model = build(c)
+    x, y = _data(model_name, 24, c)
+    ref = make_curvature(structure, model, "classification", ef=ef)
+    for start in range(0, 24, 8):
+        ref.update(model, x[start : start + 8], y[start : start + 8])
+    fitted = fit_curvature(
+        make_curvature(structure, model, "classification", ef=ef), model, (x, y), 8
+    )
+    expected = ref.state_dict()
+    got = fitted.state_dict()
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-300, msg=key)
+
+
+class RootNet(nn.Module):
+    """f = W2 sqrt|W1 x| + b2: finite everywhere, its Jacobian in W1 NaN at x = 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4, bias=False)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.inp(x).abs().sqrt())
+
+
+@pytest.mark.parametrize("fit", ["fit_curvature", "Laplace.fit"])
+def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(fit: str) -> None:
+    """A NaN Jacobian in the third batch (x = 0 in RootNet) raises the per-batch message
+    naming the parameter, located after the fact and with the batch named; the curvature
+    (fit_curvature: set back to its earlier state) or the Laplace (its old fit) is as it was."""
+    torch.manual_seed(0)
+    model = RootNet().to(DT).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, generator=g, dtype=DT) + 0.1
+    y = torch.randint(0, 2, (16,), generator=g)
+    x_bad = x.clone()
+    x_bad[9] = 0.0  # batch 2 of 4-row batches
+    expected = r"NaN Jacobian in parameter 'inp\.weight'.*\(batch 2 of the fit, counting from 0\)"
+    if fit == "fit_curvature":
+        curv = fit_curvature(make_curvature("diag", model, "classification"), model, (x, y), 4)
+        before = curv.ggn_diag.clone()
+        with pytest.raises(ValueError, match=expected):
+            fit_curvature(curv, model, (x_bad, y), 4)
+        assert torch.equal(curv.ggn_diag, before) and curv.num_data == 16
+        fresh = make_curvature("diag", model, "classification")
+        with pytest.raises(ValueError, match=expected):
+            fit_curvature(fresh, model, (x_bad, y), 4)
+        assert not fresh.ggn_diag.any() and fresh.num_data == 0
+    else:
+        la = gs.Laplace(model, "classification", "diag").fit((x, y), batch_size=4)
+        precision = la.posterior_precision.clone()
+        with pytest.raises(ValueError, match=r"batch 2 of the fit"):
+            la.fit((x_bad, y), batch_size=4)
+        assert torch.equal(la.posterior_precision, precision) and la.num_data == 16
+
+
+def test_labels_out_of_range_are_named_with_their_batch() -> None:
+    """The empirical Fisher reads the labels: one outside [0, C) in batch 1 raises the
+    likelihood's message with the labels' range and the batch, the state set back."""
+    model = _mlp(4)
+    x, y = _data("mlp", 12, 4)
+    y[5] = 9
+    curv = make_curvature("kron", model, "classification", ef=True)
+    with pytest.raises(
+        ValueError,
+        match=r"^y: labels must be in \[0, 4\), got range \[\d, 9\] \(batch 1 of the fit",
+    ):
+        fit_curvature(curv, model, (x, y), 4)
+    assert curv.num_data == 0 and all(not v.any() for v in curv.state_dict().values())
+
+
+# ---------------------------------------------------------------------- the mechanism
+
+
+def test_outside_a_scope_checks_raise_at_once() -> None:
+    assert not deferring()
+    with pytest.raises(ValueError, match=r"^t: NaN$"):
+        check_finite(torch.tensor([1.0, float("nan")]), "t: NaN")
+    with pytest.raises(ValueError, match=r"^v 1: inf$"):
+        check_finite_values([torch.tensor(1.0), torch.tensor(float("inf"))], "v {}: {}".format)
+    with pytest.raises(ValueError, match=r"^range \[-1, 2\]$"):
+        check_range(torch.tensor(-1), torch.tensor(2), 3, "range [{}, {}]".format)
+    with pytest.raises(ValueError, match=r"^flag$"):
+        check(torch.tensor(False), "flag")
+
+
+def test_a_scope_reads_once_and_raises_the_first_failure_in_recording_order() -> None:
+    """Inside a scope nothing is read until its end (one read for all the records); the
+    earliest failed record (a range failure in batch 1, before a NaN in batch 2) is raised;
+    nested scopes join the outer one; an exception inside a scope propagates untested."""
+    failure = r"^range \[0, 5\] \(batch 1 of the fit"
+    with HostSyncs() as mode, pytest.raises(ValueError, match=failure), deferred_checks() as scope:
+        for batch in range(3):
+            scope.batch = batch
+            with deferred_checks() as inner:  # joins
+                assert inner is scope
+                hi = torch.tensor(3 + 2 * batch)
+                check_range(torch.tensor(0), hi, 5, "range [{}, {}]".format)
+                bad = float("nan") if batch == 2 else 1.0
+                check_finite(torch.tensor([bad]), "nan")
+            assert mode.count == 0
+    # one read for the test, then the failed records located (only on failure)
+    assert mode.count >= 1
+    with HostSyncs() as mode, deferred_checks():
+        for _ in range(5):
+            check(torch.tensor(True), "never")
+            check_finite(torch.ones(3), "never")
+    assert mode.count == 1
+    with pytest.raises(KeyError), deferred_checks():
+        check(torch.tensor(False), "not raised: the KeyError wins")
+        raise KeyError("inner")
+    assert not deferring()

@@ -400,6 +400,9 @@ class GaussNewtonCurvature:
         #: keep ``last_outputs`` at all (``Laplace.fit`` asks for them; a bare curvature fit
         #: does not, so it holds no batch-sized tensors between updates)
         self.keep_outputs = False
+        #: the batched route's chunk plans by shapes and settings, computed once per fit
+        #: (:func:`gaussify.curvature.chain_diag.chain_squared_sums`)
+        self._plans: dict[Any, Any] = {}
 
     @property
     def num_params(self) -> int:
@@ -623,6 +626,9 @@ class GaussNewtonCurvature:
             atomic=atomic,
             factor=None if self.mc_samples or self.ef else factor,
             checked=not deferred,
+            # K = 1 (EF) or S (Monte Carlo) for sure; a likelihood's Lambda^1/2 may be C x K
+            num_vectors=self._num_factors if self.ef or self.mc_samples else None,
+            plans=self._plans,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:

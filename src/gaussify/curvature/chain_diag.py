@@ -14,6 +14,7 @@ chain of linear layers the batch's sums can be deferred and checked before they 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +97,8 @@ def chain_squared_sums(
     atomic: bool = False,
     factor: Callable[[Tensor], SqrtFactor | None] | None = None,
     checked: bool = True,
+    num_vectors: Callable[[int], int] | None = None,
+    plans: dict[Any, Any] | None = None,
 ) -> Tensor | None:
     """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
     linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
@@ -121,7 +124,9 @@ def chain_squared_sums(
 
     ``checked=False`` (a fit's deferred checks test the accumulated sum instead): with
     ``atomic`` the deferred additions are made without the finiteness and overflow tests (no
-    host sync) and never summed apart first."""
+    host sync) and never summed apart first. ``num_vectors(C)``, if given, is K (else the
+    vectors of one sample are formed to read it). ``plans``: a table the caller keeps
+    across batches (a fit's), where the chunk plan of each setting is computed once."""
     chain = module_chain(model)
     if chain is None or not layers:
         return None
@@ -156,7 +161,7 @@ def chain_squared_sums(
         def vectors(rows: slice) -> Tensor:
             return row_cotangents(f[rows], rows)
 
-    k = vectors(slice(0, 1)).shape[1]
+    k = num_vectors(f.shape[1]) if num_vectors is not None else vectors(slice(0, 1)).shape[1]
     rowwise = row_cotangents is not None and structured is None
     flags = {"structured": structured is not None}
     # the (N, out) sums over K of the squared gradients of the linear layers, reduced once per
@@ -171,14 +176,9 @@ def chain_squared_sums(
             )
             whole_rows = fits >= chunk
     else:
-        cost, plan = _plan(run, model, k, storage, wanted, rowwise, sums, **flags)
-        if atomic:
-            # no batch temporary, the sums deferred to the end of the batch (buffered), where
-            # that is cheaper than summing the batch apart (the batch's temporary: copies=2)
-            deferred = _plan(run, model, k, storage, wanted, rowwise, sums, 1, True, **flags)
-            staged = deferred[0] > cost
-            plan = plan if staged else deferred[1]
-        chunk, cols, buffered, whole_rows = plan
+        chunk, cols, buffered, whole_rows, staged = _cached_plan(
+            run, model, k, storage, wanted, rowwise, sums, atomic, structured is not None, plans
+        )
     if rowwise and (whole_rows or chunk >= n):
         # the vectors of the whole batch fit beside the chunks: form them once
         whole = vectors(slice(0, n))
@@ -198,6 +198,60 @@ def chain_squared_sums(
                 run, vectors, layers, wanted, view, chunk, buffered, cols, atomic and checked
             )
     return f
+
+
+#: a chunk plan of :func:`_cached_plan`
+_Plan = tuple[int, int, bool, bool, bool]
+
+
+def _cached_plan(
+    run: ChainPass,
+    model: nn.Module,
+    k: int,
+    storage: int,
+    wanted: dict[int, str],
+    rowwise: bool,
+    sums: int,
+    atomic: bool,
+    structured: bool,
+    plans: dict[Any, Any] | None,
+) -> _Plan:
+    """(samples per chunk, vectors per pass, linear sums buffered, output vectors formed for
+    the whole batch, batch summed apart first) of :func:`_plan` (with ``atomic``: the
+    cheaper of the batch summed apart and the deferred, buffered additions), computed once
+    per setting in ``plans`` (the caller's table, e.g. a curvature's for its fit; None:
+    not kept): the plan depends only on the modules, the shapes, dtypes and device of the
+    pass's activations and the arguments, not on the values, so the batches of a fit (all
+    but a last, smaller one) share it instead of re-running the memory rule's Python loops
+    over the modules per batch."""
+    key = (
+        tuple(id(m) for _, m in run.chain),
+        tuple((tuple(a.shape), a.dtype, a.device) for a in run.acts),
+        k,
+        storage,
+        tuple(sorted(wanted.items())),
+        rowwise,
+        sums,
+        atomic,
+        structured,
+    )
+    if plans is None:
+        plans = {}
+    if key in plans:
+        return plans[key]
+    if len(plans) > 32:  # e.g. many batch sizes: keep the table small
+        plans.clear()
+    flags = {"structured": structured}
+    cost, plan = _plan(run, model, k, storage, wanted, rowwise, sums, **flags)
+    staged = False
+    if atomic:
+        # no batch temporary, the sums deferred to the end of the batch (buffered), where
+        # that is cheaper than summing the batch apart (the batch's temporary: copies=2)
+        deferred = _plan(run, model, k, storage, wanted, rowwise, sums, 1, True, **flags)
+        staged = deferred[0] > cost
+        plan = plan if staged else deferred[1]
+    plans[key] = (*plan, staged)
+    return plans[key]
 
 
 #: the rough cost, in tensor operations, of the steps of a chunk (each costs some 5-20 us of

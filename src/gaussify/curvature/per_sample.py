@@ -16,6 +16,7 @@ most a ``(chunk, K, P)`` block of per-sample products exists at once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -176,6 +177,8 @@ def squared_vjp_sum(
     atomic: bool = False,
     factor: Callable[[Tensor], SqrtFactor | None] | None = None,
     checked: bool = True,
+    num_vectors: Callable[[int], int] | None = None,
+    plans: dict[Any, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -207,7 +210,9 @@ def squared_vjp_sum(
     structured factor of f, for the batched route (:func:`chain_squared_sums`).
     ``checked=False``: the sums are not tested for finite values here (nor is ``atomic``
     honoured): the caller tests the accumulated result (a fit's deferred checks,
-    :func:`gaussify.curvature.diag.check_diagonal`).
+    :func:`gaussify.curvature.diag.check_diagonal`). ``num_vectors(C)``: K for C outputs,
+    if the caller knows it (the batched route then forms no vectors to read it);
+    ``plans``: the caller's table of the batched route's chunk plans, kept across batches.
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
@@ -242,6 +247,8 @@ def squared_vjp_sum(
             atomic=atomic,
             factor=factor,
             checked=checked,
+            num_vectors=num_vectors,
+            plans=plans,
         )
     total = out
     if chained is None and atomic and checked:

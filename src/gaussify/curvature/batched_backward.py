@@ -25,8 +25,10 @@ samples being propagated (see :func:`backward_chunk`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +153,8 @@ class ChainPass:
     indices: dict[int, Tensor]
     #: the memory rule's per-batch sizes (:func:`rule_chunk`), computed once per pass
     sizes: dict[object, int] = field(default_factory=dict)
+    #: whether ``sizes`` is the table shared with the model's passes of the same shapes
+    shared: bool = False
     #: per pass: weights detached in the gradients' dtype, ReLU masks (:func:`_vjp`)
     weights: dict[int, Tensor] = field(default_factory=dict)
     masks: dict[int, Tensor] = field(default_factory=dict)
@@ -366,11 +370,38 @@ def rule_chunk(
     numbers per sample) entering the final linear layer (:func:`backward_peak`)."""
     budget = rule_budget(run, model, k, storage, rowwise, copies, buffers, structured)
     per = frozenset(per_sample_grads)
-    if (k, per, structured) not in run.sizes:
-        run.sizes[(k, per, structured)] = backward_peak(run, k, set(per), structured)
-    per_sample = run.sizes[(k, per, structured)]
+    sizes = _pass_sizes(run, model)
+    if (k, per, structured) not in sizes:
+        sizes[(k, per, structured)] = backward_peak(run, k, set(per), structured)
+    per_sample = sizes[(k, per, structured)]
     per_sample += k * run.acts[-1][0].numel() if rowwise and not structured else 0
     return max(floor, budget // max(per_sample, 1))
+
+
+#: per model: the memory rule's sizes of its passes, by the pass's modules and shapes
+_SIZES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], dict[object, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pass_sizes(run: ChainPass, model: nn.Module) -> dict[object, int]:
+    """``run.sizes``, shared by every pass of ``model`` with the same modules and the same
+    shapes, dtypes and devices of activations and pooling indices: the sizes (a training
+    step's peak, the K-fold tensors per sample) depend on nothing else, so a fit's batches
+    compute them once instead of looping over the modules' parameters per batch."""
+    if run.shared:
+        return run.sizes
+    key = (
+        tuple(id(m) for _, m in run.chain),
+        tuple((tuple(a.shape), a.dtype, a.device) for a in run.acts),
+        tuple((i, tuple(t.shape), t.dtype) for i, t in sorted(run.indices.items())),
+    )
+    table = _SIZES.setdefault(model, {})
+    if key not in table and len(table) > 32:  # e.g. many batch sizes: keep it small
+        table.clear()
+    run.sizes = table.setdefault(key, run.sizes)
+    run.shared = True
+    return run.sizes
 
 
 def rule_budget(
@@ -387,11 +418,12 @@ def rule_budget(
     the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held;
     ``structured``: the 2 N C numbers of a structured factor instead)."""
     n = run.acts[0].shape[0]
-    if "step" not in run.sizes:  # once per pass: a Python loop over the modules' parameters
+    sizes = _pass_sizes(run, model)
+    if "step" not in sizes:  # once per shapes: a Python loop over the modules' parameters
         held = _held_activations(run)
-        run.sizes["step"] = _step_peak(run, model, held)
-        run.sizes["held"] = sum(held) + _mask_elements(run)
-    step, held_sum = run.sizes["step"], run.sizes["held"]
+        sizes["step"] = _step_peak(run, model, held)
+        sizes["held"] = sum(held) + _mask_elements(run)
+    step, held_sum = sizes["step"], sizes["held"]
     # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
     # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)

@@ -545,6 +545,13 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
         "interleaved in one subprocess, so ratios stay side by side)",
     )
     parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="NAME",
+        help="only these cases of the table, by name (e.g. mlp/256/10/diag/ef, "
+        "mlp/256/10/diag/ggn/last_layer)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -555,6 +562,12 @@ def main(argv: list[str] | None = None, out: Path = DEFAULT_OUT) -> None:
     load_start = list(os.getloadavg())
     print(HEADER, flush=True)
     table = cases(args.quick)
+    if args.cases:
+        names = {case_name(case): case for case in table}
+        unknown = sorted(set(args.cases) - set(names))
+        if unknown:
+            parser.error(f"--cases: unknown {unknown}; the table has {sorted(names)}")
+        table = [case for case in table if case_name(case) in args.cases]
     rows: list[dict[str, Any]] = []
 
     lock = threading.Lock()
@@ -595,6 +608,7 @@ def write(
                 torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
             ),
             "quick": args.quick,
+            "cases": args.cases,
             "torch": torch.__version__,
             "target_speedup": TARGET,
             "agreement_rtol_f64": AGREE,

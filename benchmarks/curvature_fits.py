@@ -1,6 +1,7 @@
 """Diagonal and KFAC curvature fits: gaussify vs laplace-torch's BackPack and ASDL backends.
 
     python benchmarks/curvature_fits.py [--quick] [--threads 1] [--repeats 3] [--device cpu]
+        [--cases mlp/256/10/diag/ef ...]
 
 The fit alone (building the curvature and one pass over the batches), the case the
 structures people use on real networks depend on (issue 17), on ``digits`` (the first 1,024
@@ -13,6 +14,9 @@ agreement: the draws differ); then the last layer alone (diag, kron, full; batch
 against laplace-torch's last-layer Laplace. Backends: Curvlinops (laplace-torch's default),
 BackPack, ASDL. The run is also ``laplace_vs_laplace_torch.py --fits`` (the issue's done-when
 benchmark), which imports this module.
+gaussify's fit is ``curvature.fitting.fit_curvature`` (``update`` per batch, the per-batch
+checks tested once per fit), laplace-torch's ``Laplace.fit``. ``--cases`` runs only the named
+cases of the table.
 Weights: the seeded initialisation (timings do not depend on training; values are compared
 on the same weights).
 

@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                 fn()
                 times[key].append(time.perf_counter() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
+        low = {k: min(v) for k, v in times.items()}
         best = min(backends, key=lambda k: med[k])
         syncs = {}
         for key, fit in (("main", base_fit), ("ours", our_fit)):
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         row = {
             "case": name,
             "median_s": med,
+            "min_s": low,
+            "ratio_main_min": low[best] / low["main"],
+            "ratio_ours_min": low[best] / low["ours"],
             "runs_s": times,
             "best_backend": best,
             "ratio_main": med[best] / med["main"],

@@ -32,14 +32,15 @@ def fit_curvature(
     rows) to ``curvature`` (``curvature.update(model, x, y)``) with the per-batch checks made
     on the device and tested once at the end (:mod:`gaussify.deferred_checks`). Returns the
     curvature. A failed check raises its ``ValueError`` with the batch named (counting from
-    0) and leaves the curvature as it was before the call."""
+    0) and leaves the curvature as it was before the call (as does any other error raised
+    by an update)."""
     before = _snapshot(curvature)
     try:
         with deferred_checks() as scope:
             for i, (x, y) in enumerate(as_batches(data, batch_size)):
                 scope.batch = i
                 curvature.update(model, x, y)
-    except ValueError:
+    except Exception:  # a failed check, or any error in an update: the state set back
         curvature.load_state_dict(before())
         raise
     return curvature

@@ -117,6 +117,21 @@ def test_laplace_fit_host_syncs_do_not_grow_with_the_batches(structure: str, tas
     assert counts[0] == counts[1], counts
 
 
+def test_laplace_fit_over_a_loader_reads_the_device_at_most_once_per_batch() -> None:
+    """Over a DataLoader each batch is validated as drawn: its labels' range is recorded
+    (no read), only the inputs' finiteness test reads the device (its message names the
+    global row, which needs the batch), so 6 more batches cost at most 6 more reads (the
+    per-batch checks of main read it 10-20 times per batch)."""
+    counts = []
+    for batches in (2, 8):
+        model = _mlp(4)
+        x, y = _data("mlp", 4 * batches, 4, seed=batches)
+        loader = DataLoader(TensorDataset(x, y), batch_size=4)
+        la = gs.Laplace(model, "classification", "diag")
+        counts.append(_syncs(lambda: la.fit(loader)))  # noqa: B023
+    assert counts[1] - counts[0] <= 6, counts
+
+
 # ---------------------------------------------------------------------- values and errors
 
 

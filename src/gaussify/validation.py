@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.batches import Batches, DictBatches, as_batches
+from gaussify.deferred_checks import check_range
 
 __all__ = [
     "ArgumentTypeError",
@@ -245,11 +246,15 @@ def check_targets(
         if y.is_floating_point() and bool((y != y.round()).any()):
             row = int((y != y.round()).reshape(y.shape[0], -1).any(1).nonzero()[0, 0])
             raise ValueError(f"{name}: class labels must be integers, row {row + offset} is not")
-        lo, hi = int(y.min()), int(y.max())
         upper = num_outputs if num_outputs is not None else None
-        if lo < 0 or (upper is not None and hi >= upper):
-            bound = f"[0, {upper})" if upper is not None else "[0, C)"
-            raise ValueError(f"{name}: labels must be in {bound}, got range [{lo}, {hi}]")
+        bound = f"[0, {upper})" if upper is not None else "[0, C)"
+
+        def message(lo: int, hi: int) -> str:
+            return f"{name}: labels must be in {bound}, got range [{lo}, {hi}]"
+
+        # inside a fit's deferred_checks scope recorded (no host sync), else tested now
+        low, high = torch.aminmax(y)
+        check_range(low, high, upper if upper is not None else 2**62, message)
     elif task == "binary":
         if bool(((y != 0) & (y != 1)).any()):
             raise ValueError(f"{name}: binary targets must be 0 or 1")

@@ -251,7 +251,9 @@ def test_a_scope_reads_once_and_raises_the_first_failure_in_recording_order() ->
     with HostSyncs() as mode, deferred_checks():
         for _ in range(5):
             check(torch.tensor(True), "never")
-            check_finite(torch.ones(3), "never")
+            check_finite(torch.ones(3), "never")  # float32 and float64 values stack together
+            check_finite(torch.ones(3, dtype=DT), "never")
+            check_range(torch.tensor(0), torch.tensor(2), 3, "never {} {}".format)
     assert mode.count == 1
     with pytest.raises(KeyError), deferred_checks():
         check(torch.tensor(False), "not raised: the KeyError wins")

@@ -93,25 +93,30 @@ class DeferredChecks:
         self._upper.append(upper)
         self._range_meta.append(self._meta(message, ()))
 
-    def _failures(self) -> Tensor:
-        """Number of failed records, as a tensor (the one value read on the host)."""
-        parts: list[Tensor] = []
-        if self._finite:
-            parts.append((~torch.isfinite(torch.stack(self._finite))).sum())
-        if self._flags:
-            parts.append((~torch.stack(self._flags)).sum())
-        if self._lo:
-            lo, hi = torch.stack(self._lo), torch.stack(self._hi)
-            upper = torch.tensor(self._upper, device=hi.device)
-            parts.append(((lo < 0) | (hi >= upper)).sum())
-        return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+    def _failures(self) -> int:
+        """Number of failed records: the tests stacked per device (labels may live on
+        another device than the outputs), one host read per device (one in practice)."""
+        counts: dict[torch.device, list[Tensor]] = {}
+        for flags, test in ((self._finite, _not_finite), (self._flags, _false)):
+            for device, group in _by_device(flags).items():
+                counts.setdefault(device, []).append(test(torch.stack(group)))
+        ranges = zip(self._lo, self._hi, self._upper, strict=True)
+        groups: dict[torch.device, list[tuple[Tensor, Tensor, int]]] = {}
+        for lo, hi, upper in ranges:
+            groups.setdefault(hi.device, []).append((lo, hi, upper))
+        for device, group in groups.items():
+            lo = torch.stack([g[0] for g in group])
+            hi = torch.stack([g[1] for g in group])
+            upper = torch.tensor([g[2] for g in group], device=device)
+            counts.setdefault(device, []).append(((lo < 0) | (hi >= upper)).sum())
+        return sum(int(torch.stack(parts).sum()) for parts in counts.values())
 
     def raise_first(self) -> None:
         """Test every record with one host sync; raise the first failed check's
         ``ValueError`` (naming its batch). The records are cleared either way."""
         if not self._count:
             return
-        failed = int(self._failures())
+        failed = self._failures()
         if not failed:
             self.__init__()  # type: ignore[misc]
             return
@@ -135,6 +140,21 @@ class DeferredChecks:
         if batch is not None:
             text += f" (batch {batch} of the fit, counting from 0)"
         raise ValueError(text)
+
+
+def _by_device(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]]:
+    groups: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+def _not_finite(values: Tensor) -> Tensor:
+    return (~torch.isfinite(values)).sum()
+
+
+def _false(flags: Tensor) -> Tensor:
+    return (~flags).sum()
 
 
 _ACTIVE: ContextVar[DeferredChecks | None] = ContextVar("gaussify_deferred_checks", default=None)

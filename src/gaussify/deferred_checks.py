@@ -53,7 +53,8 @@ Message = str | Callable[..., str]
 class DeferredChecks:
     """The checks recorded in one scope, by kind, each with its message, the batch number
     it was recorded in (``batch``, set by the fit's loop) and its position in recording
-    order."""
+    order. The recorded tensors are kept as given (the checks below pass values that need
+    no gradient: reductions of detached tensors, integer labels, bool flags)."""
 
     def __init__(self) -> None:
         self.batch: int | None = None
@@ -78,18 +79,18 @@ class DeferredChecks:
         """Record 0-dim ``values`` that must be finite; ``message(i, value, *args)`` names
         the failure of the i-th if callable."""
         for i, v in enumerate(values):
-            self._finite.append(v.detach())
+            self._finite.append(v)
             self._finite_meta.append(self._meta(message, (i, *args)))
 
     def add_flag(self, ok: Tensor, message: Message, *args: Any) -> None:
         """Record the 0-dim bool ``ok`` (False: the check failed)."""
-        self._flags.append(ok.detach().reshape(()))
+        self._flags.append(ok.reshape(()))
         self._flag_meta.append(self._meta(message, args))
 
     def add_range(self, lo: Tensor, hi: Tensor, upper: int, message: Message) -> None:
         """Record that integers in [lo, hi] must lie in [0, upper)."""
-        self._lo.append(lo.detach())
-        self._hi.append(hi.detach())
+        self._lo.append(lo)
+        self._hi.append(hi)
         self._upper.append(upper)
         self._range_meta.append(self._meta(message, ()))
 

@@ -219,9 +219,10 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     g's dtype) and ReLU's masks come once per pass (:func:`_weight`, :func:`_mask`)."""
     m = run.chain[i][1]
     kind = type(m)
-    if kind is nn.Linear:
-        return g @ _weight(run, i, g.dtype)
     b, k = g.shape[:2]
+    if kind is nn.Linear:  # one (B K, out) x (out, in) product (a 3-D matmul may batch it)
+        flat = g.reshape(b * k, g.shape[-1]) @ _weight(run, i, g.dtype)
+        return flat.view(b, k, flat.shape[-1])
     shape = run.acts[i].shape[1:]  # module i's input per sample (values not needed)
     if kind is nn.Conv2d:
         # the adjoint of the convolution: a transposed convolution (1.5-3 x faster on the CPU

@@ -471,7 +471,9 @@ def _reduce_chunk(
                 _add_linear_squares(targets[i], sq, run.acts[i][rows])
             continue
         if i in linear:
-            if buffered and first:
+            if buffered and first and d.shape[1] == 1:  # one vector: its square, one product
+                torch.mul(d[:, 0], d[:, 0], out=squares[i][rows])
+            elif buffered and first:
                 torch.sum(d * d, 1, out=squares[i][rows])  # (pow: 5 x slower than mul)
             elif buffered:
                 squares[i][rows].add_((d * d).sum(1))

@@ -2,7 +2,7 @@
 this checkout's, and laplace-torch's BackPack / ASDL backends, in ONE process.
 
     python benchmarks/fit_syncs_ab.py --baseline /path/to/main/src [--threads 2] [--repeats 7]
-        [--cases mlp/256/10/diag/ef ...]
+        [--cases mlp/256/10/diag/ef ...] [--device cpu]
 
 Both versions of the package are imported in this process under the name ``gaussify`` (their
 module tables swapped in ``sys.modules`` before each call, outside the timed region). Per
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (models and data there)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/fit_syncs_ab.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -98,9 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.cases:
         m, b, c, s, fl = name.split("/")
         case = cf._case(m, int(b), int(c), s, fl, "all")
-        x, y = cf.load_data(m, int(c), torch.float32, "cpu")
+        dev = args.device
+        x, y = cf.load_data(m, int(c), torch.float32, dev)
         loader = DataLoader(TensorDataset(x, y), batch_size=int(b))
-        model = cf.build_model(m, int(c)).eval()
+        model = cf.build_model(m, int(c)).to(dev).eval()
 
         def base_fit(mdl: Any, ld: Any, s: str = s, fl: str = fl) -> Any:
             _activate(base)
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             "ours": functools.partial(our_fit, model, loader),
         }
         for bk in backends:  # each on its own (identically seeded) model: BackPack's hooks
-            own = cf.build_model(m, int(c)).eval()
+            own = cf.build_model(m, int(c)).to(dev).eval()
             sides[bk] = functools.partial(cf.backend_fit, case, bk, own, loader)
         for key, fn in sides.items():  # warm-up (the lazily imported modules of each side)
             fn()
@@ -135,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {k: [] for k in sides}
         for _ in range(args.repeats):
             for key, fn in sides.items():
+                cf._sync()
                 start = time.perf_counter()
                 fn()
+                cf._sync()  # a CUDA timer waits for the queued kernels
                 times[key].append(time.perf_counter() - start)
         med = {k: statistics.median(v) for k, v in times.items()}
         low = {k: min(v) for k, v in times.items()}
@@ -153,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                     fit(model, ld)
                 counts.append(mode.count)
             syncs[key] = {"batches": [len(loader), 2 * len(loader)], "syncs": counts}
-        model64 = cf.build_model(m, int(c)).to(torch.float64).eval()
-        x64, y64 = cf.load_data(m, int(c), torch.float64, "cpu")
+        model64 = cf.build_model(m, int(c)).to(dev, torch.float64).eval()
+        x64, y64 = cf.load_data(m, int(c), torch.float64, dev)
         ld64 = DataLoader(TensorDataset(x64, y64), batch_size=int(b))
         v_main = cf.gaussify_values(case, base_fit(model64, ld64))
         v_ours = cf.gaussify_values(case, our_fit(model64, ld64))
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                 "threads": args.threads,
                 "repeats": args.repeats,
                 "baseline": args.baseline,
+                "device": args.device,
                 "torch": torch.__version__,
                 "load_average_start": load_start,
                 "load_average_end": list(os.getloadavg()),

@@ -125,7 +125,7 @@ class DeferredChecks:
         first: list[tuple[int, str, int | None]] = []
         for v, (pos, message, args, batch) in zip(self._finite, self._finite_meta, strict=True):
             if not bool(torch.isfinite(v)):
-                first.append((pos, _text(message, args[0], v.cpu(), *args[1:]), batch))
+                first.append((pos, _text(message, args[0], v, *args[1:]), batch))
                 break
         for ok, (pos, message, args, batch) in zip(self._flags, self._flag_meta, strict=True):
             if not bool(ok):

@@ -45,7 +45,7 @@ from gaussify.curvature.lastlayer import (
 from gaussify.curvature.per_sample import per_sample_vjp, squared_vjp_sum
 from gaussify.curvature.sqrt_factor import SqrtFactor, sqrt_factor
 from gaussify.curvature.subset import ParameterSubset, check_prior
-from gaussify.deferred_checks import check_finite, deferring
+from gaussify.deferred_checks import check_finite, check_finite_values, deferring
 from gaussify.likelihoods import (
     Bernoulli,
     Categorical,
@@ -65,6 +65,7 @@ __all__ = [
     "Structure",
     "as_hyperparameter",
     "check_batch",
+    "check_diagonal",
     "check_offset",
     "cholesky_psd",
     "draw_labels",
@@ -337,6 +338,32 @@ def _sum_cannot_overflow(
     return total * scale + _max_abs(out) < limit
 
 
+def check_diagonal(diag: Tensor, subset: ParameterSubset, model: nn.Module) -> None:
+    """Record (:func:`gaussify.deferred_checks.check`) that the accumulated diagonal
+    ``diag`` (P,) is finite, from the largest entry of each parameter tensor (one
+    ``_foreach_max``: a GGN diagonal is >= 0, so NaN or +inf reach the maximum, and a sum
+    that became NaN or infinite stays so), naming the first tensor that is not, as the
+    per-batch checks do. Used by :meth:`GaussNewtonCurvature._diag_batch` inside a fit's deferred
+    scope, where a batch is added without those checks (diag, and low-rank's diagonal)."""
+    if subset.indices is not None or not diag.numel():  # a subnetwork: one test
+        check_finite(diag, "x: the batch gives a NaN or infinite curvature")
+        return
+    maxima = torch._foreach_max(list(torch.split(diag, list(subset.numels))))
+
+    def message(i: int, value: Tensor) -> str:
+        name = subset.names[i]
+        module = subset.module_of(name)
+        kind = "NaN" if bool(torch.isnan(value)) else "infinite"
+        return (
+            f"{kind} Jacobian in parameter {name!r} (module {module or '<root>'!r}, "
+            f"{type(model.get_submodule(module)).__name__}): the network is not "
+            "differentiable at the current parameters (e.g. sqrt or norm at zero); curvature "
+            "cannot be computed"
+        )
+
+    check_finite_values(maxima, message)
+
+
 # --------------------------------------------------------------------------- shared base class
 
 
@@ -581,6 +608,8 @@ class GaussNewtonCurvature:
             if phi is not None:
                 draws = self._draw(f)
                 target = self._lastlayer_diag(f, phi, y, draws, out)
+                if out is not None and deferring():  # the sum recorded, tested once per fit
+                    check_diagonal(out, self.subset, model)
                 return target, f, phi, draws
         # a chain of linear layers adds the batch to ``out`` only once it is complete and
         # finite (squared_vjp_sum's ``atomic``): no P-sized temporary. Inside a fit's
@@ -635,6 +664,8 @@ class GaussNewtonCurvature:
             self.last_outputs = (f, None)
         if out is not None and not atomic and not deferred:
             batch = out.add_(batch)
+        if deferred and out is not None:  # the sum recorded, tested once per fit
+            check_diagonal(out, self.subset, model)
         return batch, f, None, held.get("draws")
 
     def state_schema(self) -> dict[str, Any]:

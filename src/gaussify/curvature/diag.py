@@ -18,38 +18,11 @@ from gaussify import draws
 from gaussify.curvature.base import GaussNewtonCurvature, as_hyperparameter, check_offset
 from gaussify.curvature.jacobian import SubsetLike
 from gaussify.curvature.lastlayer import OutputLinear, lastlayer_jvp, lastlayer_num_outputs
-from gaussify.curvature.subset import ParameterSubset, expand_prior
-from gaussify.deferred_checks import check_finite, check_finite_values, deferring
+from gaussify.curvature.subset import expand_prior
 from gaussify.likelihoods import Likelihood
 from gaussify.state import Integer, TensorSpec
 
-__all__ = ["DiagGGN", "DiagonalPrecision", "check_diagonal"]
-
-
-def check_diagonal(diag: Tensor, subset: ParameterSubset, model: nn.Module) -> None:
-    """Record (:func:`gaussify.deferred_checks.check`) that the accumulated diagonal
-    ``diag`` (P,) is finite, from the largest entry of each parameter tensor (one
-    ``_foreach_max``: a GGN diagonal is >= 0, so NaN or +inf reach the maximum, and a sum
-    that became NaN or infinite stays so), naming the first tensor that is not, as the
-    per-batch checks do. Used inside a fit's deferred scope, where a batch is added without
-    those checks."""
-    if subset.indices is not None or not diag.numel():  # a subnetwork: one test
-        check_finite(diag, "x: the batch gives a NaN or infinite curvature")
-        return
-    maxima = torch._foreach_max(list(torch.split(diag, list(subset.numels))))
-
-    def message(i: int, value: Tensor) -> str:
-        name = subset.names[i]
-        module = subset.module_of(name)
-        kind = "NaN" if bool(torch.isnan(value)) else "infinite"
-        return (
-            f"{kind} Jacobian in parameter {name!r} (module {module or '<root>'!r}, "
-            f"{type(model.get_submodule(module)).__name__}): the network is not "
-            "differentiable at the current parameters (e.g. sqrt or norm at zero); curvature "
-            "cannot be computed"
-        )
-
-    check_finite_values(maxima, message)
+__all__ = ["DiagGGN", "DiagonalPrecision"]
 
 
 class DiagonalPrecision:
@@ -136,8 +109,6 @@ class DiagGGN(GaussNewtonCurvature):
         self._check_batch(model, x, y)
         # Accumulated in place: no P-sized temporary on the last-layer path.
         self._diag_batch(model, x, y, check_offset(offset, x.shape[0]), out=self.ggn_diag)
-        if deferring():  # inside a fit: the sum's finiteness recorded, tested once per fit
-            check_diagonal(self.ggn_diag, self.subset, model)
         self.num_data += x.shape[0]
 
     def posterior(

@@ -170,11 +170,17 @@ class RootNet(nn.Module):
         return self.out(self.inp(x).abs().sqrt())
 
 
-@pytest.mark.parametrize("fit", ["fit_curvature", "Laplace.fit"])
-def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(fit: str) -> None:
+@pytest.mark.parametrize(
+    ("fit", "structure"),
+    [("fit_curvature", "diag"), ("Laplace.fit", "diag"), ("Laplace.fit", "lowrank")],
+)
+def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(
+    fit: str, structure: str
+) -> None:
     """A NaN Jacobian in the third batch (x = 0 in RootNet) raises the per-batch message
     naming the parameter, located after the fact and with the batch named; the curvature
-    (fit_curvature: set back to its earlier state) or the Laplace (its old fit) is as it was."""
+    (fit_curvature: set back to its earlier state) or the Laplace (its old fit) is as it was
+    (low rank: its diagonal is checked in the same place as the diagonal structure's)."""
     torch.manual_seed(0)
     model = RootNet().to(DT).eval()
     g = torch.Generator().manual_seed(0)
@@ -194,9 +200,10 @@ def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(fit: s
             fit_curvature(fresh, model, (x_bad, y), 4)
         assert not fresh.ggn_diag.any() and fresh.num_data == 0
     else:
-        la = gs.Laplace(model, "classification", "diag").fit((x, y), batch_size=4)
+        options = {"rank": 3} if structure == "lowrank" else {}
+        la = gs.Laplace(model, "classification", structure, **options).fit((x, y), batch_size=4)
         precision = la.posterior_precision.clone()
-        with pytest.raises(ValueError, match=r"batch 2 of the fit"):
+        with pytest.raises(ValueError, match=expected):
             la.fit((x_bad, y), batch_size=4)
         assert torch.equal(la.posterior_precision, precision) and la.num_data == 16
 

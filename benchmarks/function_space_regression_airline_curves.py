@@ -1,9 +1,10 @@
 """Issue 19 (h19-airline): why VaLLA does not win the CQM on ``airline`` (rows 003-F2-airline-*).
 
 Reruns the 003-F2 protocol of ``function_space_regression`` on ``airline`` (the same seeds,
-5000 training rows; the methods named, default MAP, last-layer, KFAC, ELLA and VaLLA: each
-method's fit depends only on the seed, so these records equal those of
-``experiments_function_space_regression_airline.json``, which the script checks), keeps the
+5000 training rows or ``--max-train``; the methods named, default MAP, last-layer, KFAC, ELLA
+and VaLLA: each method's fit depends only on the seed, so these records equal those of
+``experiments_function_space_regression_airline.json``, or ``--reference``, which the script
+checks), keeps the
 test predictives and writes, per seed and method:
 
 * the CQM curve ``m(alpha) - alpha`` at alpha = 0, 0.1, ..., 1 (``gaussify.metrics.cqm_curve``;
@@ -21,6 +22,9 @@ test predictives and writes, per seed and method:
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/function_space_regression_airline_curves.py \
         --output benchmarks/results/function_space_regression_airline_curves.json
+    ... --max-train 30000 --methods map valla \
+        --reference experiments_function_space_regression_airline_full.json \
+        --output benchmarks/results/function_space_regression_airline_full_curves.json
 """
 
 from __future__ import annotations
@@ -87,12 +91,16 @@ def homoscedastic(mean: torch.Tensor, sigma: float, y: torch.Tensor) -> dict[str
     }
 
 
-def main(seeds: int, methods: list[str], out: Path) -> None:
+def main(seeds: int, methods: list[str], max_train: int, reference: str, out: Path) -> None:
     start = time.perf_counter()
-    res = reg.run(datasets=["airline"], methods=methods, seeds=seeds, keep_predictions=True)
-    committed = json.loads(
-        (RESULTS / "experiments_function_space_regression_airline.json").read_text()
+    res = reg.run(
+        datasets=["airline"],
+        methods=methods,
+        seeds=seeds,
+        max_train=max_train,
+        keep_predictions=True,
     )
+    committed = json.loads((RESULTS / reference).read_text())
     ref = {(r["seed"], r["method"]): r["cqm_paper"] for r in committed["records"]}
     rows: dict[str, Any] = {}
     for r in res.records:
@@ -128,6 +136,12 @@ if __name__ == "__main__":
     parser.add_argument(
         "--methods", nargs="+", default=["map", "last_layer", "kfac", "ella", "valla"]
     )
+    parser.add_argument("--max-train", type=int, default=5000)
+    parser.add_argument(
+        "--reference",
+        default="experiments_function_space_regression_airline.json",
+        help="the committed run (under benchmarks/results) whose records these must equal",
+    )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
-    main(args.seeds, args.methods, args.output)
+    main(args.seeds, args.methods, args.max_train, args.reference, args.output)

@@ -20,6 +20,7 @@ import os
 import time
 from pathlib import Path
 
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import function_space_images as fi
 from gaussify.experiments._report import write_json
 
@@ -40,7 +41,10 @@ def main() -> None:
     parser.add_argument("--note", default="")
     parser.add_argument("--base", type=Path, default=PATH)
     parser.add_argument("--output", type=Path, default=PATH)
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment's data and fits run on the host")
     base = json.loads(args.base.read_text())
     runs = []
     for name in args.datasets:

@@ -17,6 +17,7 @@ and whether the first-step score is below it (only then would the authors' rule 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -24,6 +25,7 @@ import time
 import torch
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import function_space_images as fi
 from gaussify.experiments._runner import train_map_eval
 
@@ -65,4 +67,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_device_argument(parser)
+    if parser.parse_args().device.type != "cpu":
+        parser.error("--device: the experiment's data and fits run on the host")
     main()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from gaussify import metrics
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import function_space_regression as reg
 from gaussify.experiments._report import write_json
 
@@ -143,5 +144,8 @@ if __name__ == "__main__":
         help="the committed run (under benchmarks/results) whose records these must equal",
     )
     parser.add_argument("--output", type=Path, required=True)
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment runs on the host")
     main(args.seeds, args.methods, args.max_train, args.reference, args.output)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 from gaussify.experiments import function_space_regression as reg
 from gaussify.experiments._runner import train_map_eval
 
@@ -87,5 +88,8 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 at 5000 rows")
     parser.add_argument("--full-seeds", type=int, default=1, help="seeds at all 30,000 rows")
     parser.add_argument("--output", type=Path, required=True)
+    add_device_argument(parser)
     args = parser.parse_args()
+    if args.device.type != "cpu":
+        parser.error(f"--device {args.device}: the experiment runs on the host")
     main(args.seeds, args.full_seeds, args.output)

@@ -20,7 +20,11 @@ The verdict rule (:func:`verdict`), per row:
   (b) every other row of its ``group`` (same table, data set and metric): a pair is an ordering
   when the paper separates the two values by more than the sum of their reported errors, and it
   is contradicted when our two values are in the opposite order by more than the sum of our
-  standard errors (claims are checked strictly, without errors).
+  standard errors (claims are checked strictly, without errors). "More than" is decided at the
+  papers' printed precision (a relative 1e-9 margin), so 0.17 - 0.11 is not "more than"
+  0.05 + 0.01 through float rounding. Our two values are compared on the same splits: a row
+  whose own value comes from a run the rest of its group was not part of names the common run's
+  value in ``compare_ours`` / ``compare_error``, and the orderings use those.
   **qualitative**: at least one ordering and none contradicted; **off**: an ordering
   contradicted. A same-data-set row with no ordering to check is qualitative when ours is
   better than the paper's value (in the metric's direction ``better``) and off when worse;
@@ -45,6 +49,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "reproductions.md"
 VERDICTS = ("reproduced", "qualitative", "off", "missing")
 RELATIVE_TOLERANCE = 0.10
+SEPARATION_MARGIN = 1e-9
 _OPS = {
     "<": lambda a, b: a < b,
     "<=": lambda a, b: a <= b,
@@ -113,6 +118,8 @@ class Result:
     row: dict[str, Any]
     ours: float | None = None
     ours_error: float | None = None
+    compare_ours: float | None = None
+    compare_error: float | None = None
     verdict: str = "missing"
     basis: str = ""
     claims_checked: list[tuple[str, bool]] = field(default_factory=list)
@@ -149,6 +156,11 @@ def check_claim(chain: list[Any], lookup: Any) -> tuple[bool, str]:
     return holds, f"{text} {_fmt(values[-1])}"
 
 
+def separated(gap: float, errors: float) -> bool:
+    """Whether ``|gap|`` is more than ``errors`` at the printed precision (relative 1e-9)."""
+    return abs(gap) > errors + SEPARATION_MARGIN * max(abs(gap), errors, 1e-300)
+
+
 def verdict(result: Result, group: list[Result]) -> tuple[str, str]:
     """The verdict of ``result`` against the other rows of its group (rule in the module doc)."""
     row = result.row
@@ -168,16 +180,18 @@ def verdict(result: Result, group: list[Result]) -> tuple[str, str]:
     for text, holds in result.claims_checked:
         (held if holds else broken).append(f"claim {text}")
     for other in group:
-        if other is result or other.ours is None or result.ours is None:
+        if other is result or other.compare_ours is None or result.compare_ours is None:
             continue
         p_other = other.row.get("paper_value")
         if paper is None or p_other is None:
             continue
         d_paper = paper - p_other
-        if abs(d_paper) <= (row.get("paper_error") or 0.0) + (other.row.get("paper_error") or 0.0):
+        if not separated(
+            d_paper, (row.get("paper_error") or 0.0) + (other.row.get("paper_error") or 0.0)
+        ):
             continue
-        d_ours = result.ours - other.ours
-        noise = (result.ours_error or 0.0) + (other.ours_error or 0.0)
+        d_ours = result.compare_ours - other.compare_ours
+        noise = (result.compare_error or 0.0) + (other.compare_error or 0.0)
         name = other.row["method"].split(" (")[0]
         if math.copysign(1, d_ours) == math.copysign(1, d_paper) and d_ours != 0:
             held.append(f"vs {name}")
@@ -219,6 +233,12 @@ def evaluate(rows: list[dict[str, Any]], results: Path = RESULTS) -> list[Result
             res.ours = _number(lookup(row["ours"]), scale)
             if row.get("ours_error"):
                 res.ours_error = _number(lookup(row["ours_error"]), scale)
+            res.compare_ours, res.compare_error = res.ours, res.ours_error
+            if row.get("compare_ours"):
+                res.compare_ours = _number(lookup(row["compare_ours"]), scale)
+                res.compare_error = None
+                if row.get("compare_error"):
+                    res.compare_error = _number(lookup(row["compare_error"]), scale)
         if row.get("claim") and not row.get("missing") and res.ours is not None:
             for chain in row["claim"]:
                 holds, text = check_claim(chain, lookup)
@@ -266,8 +286,17 @@ def _ours_cell(res: Result) -> str:
     return text
 
 
-def _protocol_cell(row: dict[str, Any], files: dict[str, str]) -> str:
+def _protocol_cell(row: dict[str, Any], files: dict[str, str], res: Result) -> str:
     text = row.get("protocol", "")
+    if row.get("compare_ours") and res.compare_ours is not None:
+        common = _fmt(res.compare_ours)
+        if res.compare_error is not None:
+            common += f" ± {res.compare_error:.2g}"
+        text += (
+            f". Orderings within the group use this method's {common} from "
+            f"`{row['compare_ours'].partition(':')[0]}`, the run every column of the group is in "
+            "(same splits)"
+        )
     if row.get("ours") and not row.get("missing"):
         status = files[row["ours"].partition(":")[0]]
         text = f"{text}. Result file: {status}" if text else f"Result file: {status}"
@@ -306,8 +335,11 @@ def render(
         "bar (the paper's reported error or our standard error) or within 10 % of the paper's "
         "value. Otherwise the paper's ordering decides: the row's stated claim, and every other "
         "method of the same table, data set and metric that the paper separates by more than "
-        "their summed errors. An ordering is contradicted when ours is reversed by more than our "
-        "summed standard errors (a claim: strictly). *qualitative*: at least one ordering "
+        "their summed errors (at the printed precision: 0.17 − 0.11 is not more than "
+        "0.05 + 0.01). An ordering is contradicted when ours is reversed by more than our "
+        "summed standard errors (a claim: strictly); our two values are compared on the same "
+        "splits (a row from a run the rest of its group was not part of is compared through the "
+        "common run's value, named in its protocol). *qualitative*: at least one ordering "
         "and none contradicted; "
         "*off*: an ordering contradicted; *missing*: no result of ours, with the reason. A row "
         "with no ordering to check is qualitative when ours beats the paper's value and off "
@@ -346,7 +378,7 @@ def render(
                 _ours_cell(res),
                 f"**{res.verdict}**",
                 res.basis,
-                _protocol_cell(row, files),
+                _protocol_cell(row, files, res),
                 _source_cell(row),
             ]
             lines.append(

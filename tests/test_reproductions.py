@@ -32,7 +32,8 @@ def test_committed_page_equals_the_generator_output() -> None:
 def test_every_pointer_resolves_to_a_number_or_an_explained_null() -> None:
     cache: dict[Path, Any] = {}
     for row in _rows():
-        pointers = [row[k] for k in ("ours", "ours_error") if k in row]
+        keys = ("ours", "ours_error", "compare_ours", "compare_error")
+        pointers = [row[k] for k in keys if k in row]
         pointers += [v for chain in row.get("claim", []) for v in chain[0::2] if isinstance(v, str)]
         for pointer in pointers:
             value = mr.resolve(pointer, mr.RESULTS, cache)
@@ -138,6 +139,56 @@ def test_verdict_ties_within_errors_are_not_orderings_or_contradictions(tmp_path
     ]
     res = _write(tmp_path, tie)
     assert res[0].verdict == "qualitative" and "tie within error" in res[0].basis
+
+
+def test_separation_is_judged_at_the_printed_precision(tmp_path: Path) -> None:
+    # 0.17 +- 0.05 vs 0.11 +- 0.01: the gap 0.06 equals the summed errors; in floats
+    # 0.17 - 0.11 = 0.06000000000000001 > 0.05 + 0.01 = 0.060000000000000005, which is not an
+    # ordering the paper reports (004 Table 1, cancer)
+    assert 0.17 - 0.11 > 0.05 + 0.01
+    assert not mr.separated(0.17 - 0.11, 0.05 + 0.01)
+    assert mr.separated(0.17 - 0.10, 0.05 + 0.01) and not mr.separated(0.0, 0.0)
+    rows = [
+        _row("a", 0.17, 0.05, 1.0, compare="ordering", group="g"),
+        _row("b", 0.11, 0.01, 2.0, compare="ordering", group="g"),
+    ]
+    res = _write(tmp_path, rows)
+    assert [r.verdict for r in res] == ["off", "off"]
+    assert res[0].basis == "not within error or 10 %, and no ordering to check"
+
+
+def test_orderings_use_the_common_run_value(tmp_path: Path) -> None:
+    # the paper orders a (1.0) below b (3.0). Our a from its own run (10 splits) is 2.5, above
+    # our b (2.0, 3 splits); on b's 3 splits a is 1.0: the ordering is checked there and holds
+    (tmp_path / "ten.json").write_text(json.dumps({"a": 2.5}))
+    (tmp_path / "three.json").write_text(json.dumps({"a": 1.0, "b": 2.0}))
+    common = {"compare": "ordering", "group": "g", "paper_error": 0.1}
+    rows = [
+        {
+            "id": "a",
+            "paper": "0",
+            "method": "a",
+            "paper_value": 1.0,
+            "ours": "ten.json:a",
+            "compare_ours": "three.json:a",
+            **common,
+        },
+        {
+            "id": "b",
+            "paper": "0",
+            "method": "b",
+            "paper_value": 3.0,
+            "ours": "three.json:b",
+            **common,
+        },
+    ]
+    res = mr.evaluate(rows, tmp_path)
+    assert (res[0].ours, res[0].compare_ours) == (2.5, 1.0)
+    assert [r.verdict for r in res] == ["qualitative", "qualitative"]
+    assert res[0].basis == "ordering holds: vs b"
+    # without the common run's value, the cross-run pair is reversed: a contradiction
+    del rows[0]["compare_ours"]
+    assert [r.verdict for r in mr.evaluate(rows, tmp_path)] == ["off", "off"]
 
 
 def test_verdict_missing_and_claims(tmp_path: Path) -> None:

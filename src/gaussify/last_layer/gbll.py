@@ -181,7 +181,9 @@ class GBLLRegression(RegressionHead):
         (differentiable in the features and the hyperparameters). Raises ``ValueError`` for bad
         input and when ``A_c`` is not positive definite in the head's precision."""
         phi = self.check_features(phi)
-        y = self.check_targets(y, phi.shape[0])
+        return self._log_evidence(phi, self.check_targets(y, phi.shape[0]))
+
+    def _log_evidence(self, phi: Tensor, y: Tensor) -> Tensor:
         alpha, noise = self._checked_hyperparameters()
         ev = gbll_evidence(phi, y, alpha, noise)
         _check_info(ev.info, phi.dtype)
@@ -193,7 +195,7 @@ class GBLLRegression(RegressionHead):
         phi = self.check_features(phi)
         if phi.shape[0] == 0:
             raise ValueError("phi: contains no examples")
-        return -self.log_marginal_likelihood(phi, y) / phi.shape[0]
+        return -self._log_evidence(phi, self.check_targets(y, phi.shape[0])) / phi.shape[0]
 
     def elbo_terms(self, phi: Tensor, y: Tensor) -> dict[str, Tensor]:
         """``{"log_marginal_likelihood": ()}``: the head has no ELBO; its objective is the exact

@@ -6,6 +6,7 @@ hyperparameters, and the growth of the predictive variance away from the data.""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -84,12 +85,15 @@ def test_posterior_in_batches_and_prior_before_data() -> None:
     phi, y = _problem()
     head = _head(5, 2, 0.9, [0.5, 0.5])
     x_star = phi[:4] + 0.1
-    # before any data: the prior predictive N(0, phi^T phi / alpha + s2)
-    prior = head(x_star).predictive
+    # before any data: the prior predictive N(0, phi^T phi / alpha + s2), with a warning
+    with pytest.warns(UserWarning, match=r"conditions on no data.*call fit_posterior"):
+        prior = head(x_star).predictive
     torch.testing.assert_close(prior.mean, torch.zeros(4, 2, dtype=F64))
     want = (x_star.square().sum(-1) / 0.9 + 0.5).unsqueeze(-1).expand(4, 2)
     torch.testing.assert_close(prior.var, want, atol=1e-12, rtol=0)
-    one = head(x_star).predictive if head.fit_posterior(phi, y) else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # conditioned on data: no warning
+        one = head.fit_posterior(phi, y)(x_star).predictive
     other = _head(5, 2, 0.9, [0.5, 0.5])
     for part in range(4):
         other.update_posterior(phi[10 * part : 10 * part + 10], y[10 * part : 10 * part + 10])

@@ -28,12 +28,14 @@ hyperparameters ``q(w_c) = N(m_c, A_c^-1)`` and the predictive is
 
 Training changes the features, so call ``fit_posterior(body(x_train), y_train)`` after
 training (a forward pass does not refit: the loss is traced by ``torch.func`` transforms and
-must not write buffers). Before any data the posterior is the prior ``N(0, alpha^-1 I)``.
+must not write buffers). Before any data the posterior is the prior ``N(0, alpha^-1 I)``,
+and using it warns (a forgotten ``fit_posterior`` would otherwise predict mean 0 silently).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,7 +254,15 @@ class GBLLRegression(RegressionHead):
         return self.update_posterior(phi, y)
 
     def _posterior(self) -> tuple[Tensor, Tensor]:
-        """``(L (C, D, D), m (C, D))`` at the current hyperparameters; refuses a non-PD A."""
+        """``(L (C, D, D), m (C, D))`` at the current hyperparameters; refuses a non-PD A and
+        warns when no data was conditioned on (the prior: a forgotten ``fit_posterior``)."""
+        if not bool(self.num_data > 0):
+            warnings.warn(
+                "GBLLRegression: the posterior conditions on no data, so this is the prior "
+                "(mean 0); call fit_posterior(features, y) with the training set after training",
+                UserWarning,
+                stacklevel=3,
+            )
         alpha, noise = self._checked_hyperparameters()
         tril, mean, info = _posterior(self.gram, self.cross, alpha, noise)
         _check_info(info, self.gram.dtype)

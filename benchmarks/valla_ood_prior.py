@@ -37,7 +37,7 @@ def fit(method, model, train, val, cfg):
         seed=cfg["seed"],
         prior_precision=prior,
         learn_prior=False,
-    ).fit((x, y), val, patience=2)
+    ).fit((x, y), val, **img.VALLA_EARLY_STOPPING)
 
 
 img._fit = fit

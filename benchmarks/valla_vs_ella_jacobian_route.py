@@ -2,12 +2,12 @@
 formed from per-layer NTK factors (our default) and from per-sample Jacobians.
 
 MNIST setting of ``gaussify.experiments.function_space_images`` (2000 training images,
-784-100-100-10 tanh MLP, float64). VaLLA: M = 200 inducing pairs, ntk kernel, batch 128,
-10 epochs, early stopping (patience 2). ELLA: 200 landmarks x 10 outputs (2000 inducing
-values, the paper's count), the top 20 eigen-directions (Deng et al.'s K, via ``eig_tol``), prior
-by a grid on its evidence; once with ``route="auto"`` (per-layer factors) and once with
-``route="jacobian"`` (per-sample Jacobians of the landmarks and of each batch, the kind of
-computation the authors' ELLA does). One process, ``--repeats`` alternating repeats (each
+784-100-100-10 tanh MLP, float64). VaLLA: M = 200 inducing pairs, ntk kernel, batch 128, 10 epochs,
+early stopping by the paper's rule (``VALLA_EARLY_STOPPING``). ELLA: 200 landmarks x 10 outputs
+(2000 inducing values, the paper's count), the top 20 eigen-directions (Deng et al.'s K, via
+``eig_tol``), prior by a grid on its evidence; once with ``route="auto"`` (per-layer factors) and
+once with ``route="jacobian"`` (per-sample Jacobians of the landmarks and of each batch, the kind
+of computation the authors' ELLA does). One process, ``--repeats`` alternating repeats (each
 Jacobian-route fit takes tens of minutes on the shared 2-core machine). Writes
 ``benchmarks/results/valla_vs_ella_jacobian_route.json``.
 """
@@ -24,6 +24,7 @@ from valla_vs_ella_time import mnist_setting  # this folder: the same setting
 
 import gaussify as gs
 from gaussify.cli_args import add_device_argument
+from gaussify.experiments import function_space_images as fi
 
 
 def main() -> None:
@@ -43,7 +44,7 @@ def main() -> None:
         gs.VaLLA(
             model, "classification", num_inducing=200, epochs=10, batch_size=128, kernel="ntk",
             seed=0,
-        ).fit((x, y), val, patience=2)  # fmt: skip
+        ).fit((x, y), val, **fi.VALLA_EARLY_STOPPING)  # fmt: skip
         t_valla = time.perf_counter() - t
         times = {}
         for route in ("jacobian", "auto"):

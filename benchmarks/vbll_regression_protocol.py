@@ -45,7 +45,8 @@ Heads:
   times ``sqrt(D)``: the package's ``N(0, 1)`` scale), ``gaussify_wnormal`` (a fresh ``N(0, 1)``
   mean), ``gaussify_wzero`` (a zero mean), ``gaussify_vbllcov`` (the package's random Cholesky
   factor of ``S``: log-diagonal ``N(-log(D)/2, 1)``, off-diagonal ``N(0, 1/D^2)``; ours
-  ``S = I/D``), ``gaussify_cov{k}`` (``S = k I / D``), ``gaussify_vbllinit`` (both of the
+  ``S = I/D``), ``gaussify_cov{k}`` (``S = k I / D``), ``gaussify_wscale{c}`` (the default
+  draw of the mean times ``sqrt(c)``: ``N(0, c / D)``), ``gaussify_vbllinit`` (both of the
   package's scales); any head with the suffix ``_headnowd`` (no weight decay on the head's
   parameters, 1e-2 on the body: the package tutorial's parameter groups), ``_f64`` (float64
   throughout: the size of round-off chaos over the run) or ``_redraw`` (the same head from
@@ -144,6 +145,8 @@ def make_head(method: str, num_train: int) -> nn.Module:
             elif method == "gaussify_vbllcov":  # the package's random S factor
                 cov.logdiag.copy_(torch.randn_like(cov.logdiag) - 0.5 * math.log(WIDTH))
                 cov.offdiag.copy_(torch.randn_like(cov.offdiag) / WIDTH)
+            elif method.startswith("gaussify_wscale"):  # that draw scaled to N(0, c / D)
+                head.W_mean.copy_(old_mean * math.sqrt(float(method[15:])))
             elif method.startswith("gaussify_cov"):  # S = k I / D
                 cov.logdiag.fill_(0.5 * math.log(float(method[12:]) / WIDTH))
             elif method == "gaussify_vbllinit":  # both of the package's scales
@@ -179,10 +182,12 @@ def _moments(head: nn.Module, phi: Tensor) -> tuple[Tensor, Tensor, float]:
 def load(name: str, seed: int, device: str | torch.device = "cpu") -> dict[str, Tensor]:
     base, _, rows = name.partition("/")
     ds = gs.data.load(base, seed=seed)
-    x, y = ds.x_train, ds.y_train
+    x, y, x_val, y_val = ds.x_train, ds.y_train, ds.x_val, ds.y_val
     if rows:
+        # the split's validation share (0.18 against 0.72 for training) of the kept rows
         x, y = x[: int(rows)], y[: int(rows)]
-    out = {"x": x, "y": y, "x_test": ds.x_test, "y_test": ds.y_test}
+        x_val, y_val = x_val[: max(1, int(rows) // 4)], y_val[: max(1, int(rows) // 4)]
+    out = {"x": x, "y": y, "x_val": x_val, "y_val": y_val, "x_test": ds.x_test, "y_test": ds.y_test}
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -193,6 +198,8 @@ def run_one(
     epochs: int,
     batch: int = 32,
     device: str | torch.device = "cpu",
+    trace_every: int = 0,
+    select_every: int = 0,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     data = load(name, seed, device)
@@ -204,12 +211,22 @@ def run_one(
     head = make_head(method, len(x)).to(x.device, dtype)
     opt = make_optimizer(method, body, head)
     gen = torch.Generator().manual_seed(seed)
+    trace: list[dict[str, float]] = []
+    selected = {"val_nll": math.inf, "epoch": 0, "test_nll": math.nan}
     start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(epochs):
+    for epoch in range(epochs):
         for idx in torch.randperm(len(x), generator=gen).to(x.device).split(batch):
             opt.zero_grad(set_to_none=True)
             head(body(x[idx])).train_loss_fn(y[idx]).backward()
             opt.step()
+        if trace_every and (epoch + 1) % trace_every == 0:
+            trace.append({"epoch": epoch + 1, **_state(head, body, data)})
+        if select_every and (epoch + 1) % select_every == 0:
+            with torch.no_grad():
+                val_nll = float(head(body(data["x_val"])).val_loss_fn(data["y_val"]))
+                if val_nll < selected["val_nll"]:
+                    test_nll = float(head(body(data["x_test"])).val_loss_fn(data["y_test"]))
+                    selected = {"val_nll": val_nll, "epoch": epoch + 1, "test_nll": test_nll}
     synchronize(x.device)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     with torch.no_grad():
@@ -229,7 +246,33 @@ def run_one(
         "noise_var": noise,
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
+        **({"trace": trace} if trace_every else {}),
+        **({f"selected_{k}": v for k, v in selected.items()} if select_every else {}),
     }
+
+
+def _state(head: nn.Module, body: nn.Module, data: dict[str, Tensor]) -> dict[str, float]:
+    """Where a run is (for ``--trace-every``): test and validation NLL, test and training MSE, noise
+    variance, ``||W_bar||^2``, mean epistemic variance ``phi^T S phi`` on the test inputs and
+    ``tr S``, and the prior function variance ``prior_scale ||phi||^2`` on the training
+    inputs (the package's ``prior_scale`` attribute is the variance too)."""
+    with torch.no_grad():
+        phi_test = body(data["x_test"])
+        phi_train = body(data["x"])
+        mean, var, noise = _moments(head, phi_test)
+        train_mean, _, _ = _moments(head, body(data["x"]))
+        cov = head.W().covariance
+        return {
+            "test_nll": float(head(phi_test).val_loss_fn(data["y_test"])),
+            "val_nll": float(head(body(data["x_val"])).val_loss_fn(data["y_val"])),
+            "test_mse": float((mean - data["y_test"]).square().mean()),
+            "train_mse": float((train_mean - data["y"]).square().mean()),
+            "noise_var": noise,
+            "w_norm2": float(head.W_mean.square().sum()),
+            "epistemic_var": float(var.mean()) - noise,
+            "trace_s": float(cov.diagonal(dim1=-2, dim2=-1).sum()),
+            "prior_function_var": float(head.prior_scale * phi_train.square().sum(-1).mean()),
+        }
 
 
 def _run_task(task: tuple) -> dict[str, Any]:
@@ -245,14 +288,16 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def _paired_row(name: str, a: str, b: str, nll: dict[str, dict[int, float]]) -> dict[str, Any]:
+def _paired_row(
+    name: str, a: str, b: str, nll: dict[str, dict[int, float]], prefix: str = "paired"
+) -> dict[str, Any]:
     """Paired test-NLL difference ``a - b`` over the seeds both ran (mean, s.e.)."""
     seeds = sorted(set(nll[a]) & set(nll[b]))
     diffs = [nll[a][s] - nll[b][s] for s in seeds]
     mean, se = _mean_se(diffs) if diffs else (float("nan"), float("nan"))
     return {
         "dataset": name,
-        "method": f"paired:{a}-{b}",
+        "method": f"{prefix}:{a}-{b}",
         "seeds": seeds,
         "diff_mean": mean,
         "diff_se": se,
@@ -271,8 +316,10 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 key=lambda r: r["seed"],
             )
             row: dict[str, Any] = {"dataset": name, "method": method, "num_seeds": len(sel)}
-            for key in ("test_nll", "test_mse", "train_mse", "pred_var", "noise_var"):
-                row[f"{key}_mean"], row[f"{key}_se"] = _mean_se([r[key] for r in sel])
+            for key in ("test_nll", "test_mse", "train_mse", "pred_var", "noise_var",
+                        "selected_test_nll", "selected_epoch"):  # fmt: skip
+                if all(key in r for r in sel):
+                    row[f"{key}_mean"], row[f"{key}_se"] = _mean_se([r[key] for r in sel])
             row["test_nll_per_seed"] = [r["test_nll"] for r in sel]
             row["noise_var_per_seed"] = [r["noise_var"] for r in sel]
             by_method[method] = row
@@ -289,6 +336,18 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for method in by_method:  # one factor per row: paired against the defaults
                 if method != "gaussify":
                     rows.append(_paired_row(name, method, "gaussify", nll))
+        selected = {  # the test NLL at the epoch chosen on the validation NLL (--select-every)
+            m: {
+                r["seed"]: r["selected_test_nll"]
+                for r in records
+                if r["dataset"] == name and r["method"] == m and "selected_test_nll" in r
+            }
+            for m in by_method
+        }
+        if selected.get("gaussify"):
+            for method in by_method:
+                if method != "gaussify" and selected[method]:
+                    rows.append(_paired_row(name, method, "gaussify", selected, "selected"))
         for method in by_method:  # a redrawn start against the same head's own start
             base = method.removesuffix("_redraw")
             if method != base and base in by_method:
@@ -328,6 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["gaussify", "gaussify_prior1", *(f"vbll_ws{w}" for w in WISHART_SCALES)],
     )
+    parser.add_argument(
+        "--trace-every", type=int, default=0, help="record the run's state every K epochs"
+    )
+    parser.add_argument(
+        "--select-every",
+        type=int,
+        default=0,
+        help="also report the test NLL at the epoch (a multiple of K) with the lowest "
+        "validation NLL (App. G.2's selection, without its retraining on train + validation)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument(
         "--merge", nargs="+", type=Path, default=None, help="combine the records of earlier runs"
@@ -346,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         records += part["records"]
         runtime += part["runtime_s"]
     tasks = [
-        (name, seed, method, args.epochs, 32, args.device)
+        (name, seed, method, args.epochs, 32, args.device, args.trace_every, args.select_every)
         for name in ([] if args.merge else args.datasets)
         for seed in range(args.first_seed, args.first_seed + args.seeds)
         for method in args.methods
@@ -413,7 +482,9 @@ def _write(args: argparse.Namespace, records: list[dict[str, Any]], runtime: flo
         "records": records,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(out, indent=1) + "\n")
+    partial = args.output.with_name(args.output.name + ".part")  # never a half-written file
+    partial.write_text(json.dumps(out, indent=1) + "\n")
+    partial.replace(args.output)
     return rows
 
 

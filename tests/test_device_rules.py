@@ -254,6 +254,10 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("ADFLastLayer.reset", "torch.zeros"): (1, NODEVICE),
     ("ADFLastLayer.update", ".tolist()"): (1, NODEVICE),
     ("SGDLastLayer.reset", "torch.zeros"): (1, NODEVICE),
+    # last_layer/gbll.py
+    ("GBLLRegression._checked_hyperparameters", ".tolist()"): (1, MESSAGE),
+    ("GBLLRegression.set_hyperparameters", ".tolist()"): (1, MESSAGE),
+    ("GBLLRegression.set_hyperparameters", "torch.as_tensor"): (1, INPUT),
     # last_layer/exact.py
     ("ExactLastLayer.optimize_prior", "torch.logspace"): (1, GRID),
     ("ExactLastLayer.optimize_prior", "torch.tensor"): (1, GRID),

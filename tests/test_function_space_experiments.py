@@ -251,3 +251,40 @@ def test_regression_seeds_summary_and_the_papers_trapezoid_cqm() -> None:
         exact = metrics.cqm(r["mean"], r["var"].sqrt(), r["y"].reshape(r["mean"].shape))
         assert math.isclose(r["cqm"], exact, rel_tol=1e-12)
     assert "seeds" in res.to_dict()["config"] and "summary" in res.to_dict()
+
+
+def test_image_valla_stops_at_the_first_worsening_epoch_and_keeps_the_best_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # VaLLA paper Sec. 3.3 / App. C: the validation NLL is computed every epoch and training
+    # stops when it worsens (patience 1); the experiment and the benchmarks share the setting
+    from gaussify.experiments import function_space_images as img
+    from gaussify.function_space.valla_kernel import InducingKernel
+
+    # the first M training inputs as inducing points: K-means (and importing scikit-learn)
+    # plays no part in the stopping rule and costs seconds in a lone run
+    monkeypatch.setattr(InducingKernel, "_kmeans", lambda self, x, m: x[:m].clone())
+
+    assert dict(img.VALLA_EARLY_STOPPING) == {"patience": 1}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, generator=g, dtype=torch.float64)
+    xv = torch.randn(64, 5, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    # shifted validation labels: the fitted network is confidently wrong there, so every
+    # epoch that sharpens q(u) on the training data worsens the validation NLL
+    yv = ((xv[:, 0] > 0).long() + (xv[:, 1] > 0).long() + 1) % 3
+    model = img.make_mlp(5, 8, 3, 0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(40):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    cfg = {"seed": 0, "num_inducing": 8, "valla_epochs": 10}
+    post = img._fit("valla", model, (x, y), (xv, yv), cfg)
+    scores = post.history["val_nll"]
+    # 64 images, batch 128: one step per epoch, scored after each; stopped at the first
+    # score above the previous one (patience 2 would have run a third epoch)
+    assert len(scores) == 2 and scores[1] > scores[0]
+    assert len(post.history["objective"]) == 2
+    # the state with the best validation NLL (the first epoch's) is restored
+    assert math.isclose(post.validation_nll((xv, yv)), scores[0], rel_tol=1e-10)

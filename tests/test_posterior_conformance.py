@@ -180,6 +180,7 @@ HEADS: list[Callable[[], nn.Module]] = [
     lambda: last_layer.VBLLStudentTDiscriminative(D, C, 0.1),
     lambda: last_layer.VBLLHeteroscedasticDiscriminative(D, C, 0.1),
     lambda: last_layer.VBLLGenerative(D, C, 0.1),
+    lambda: last_layer.GBLLRegression(D, 2),
 ]
 
 #: public classes that are not posteriors (or not here), each with the reason

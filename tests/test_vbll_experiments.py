@@ -91,6 +91,20 @@ def test_vbll_loss_is_the_heads_train_loss() -> None:
     torch.testing.assert_close(vu.training_loss(model, x, y), model(x).train_loss(y))
 
 
+def test_gbll_loss_is_the_heads_train_loss_and_validation_its_posterior() -> None:
+    torch.manual_seed(0)
+    model = vu.make_model("gbll", 3, 50, width=6).double()
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    torch.testing.assert_close(vu.training_loss(model, x, y), model(x).train_loss(y))
+    # validation: the posterior of the first num_fit rows, the predictive NLL of the rest
+    nll = vu.gbll_nll(model, x, y, num_fit=8)
+    head = copy.deepcopy(model[1]).fit_posterior(model[0](x[:8]), y[:8])
+    want = -head(model[0](x[8:])).log_prob(y[8:]).mean()
+    assert nll == pytest.approx(float(want.detach()), rel=1e-12)
+    with pytest.raises(ValueError, match=r"methods: expected some of \['vbll', 'map', 'gbll'\]"):
+        vu.run(["yacht"], seeds=[0], methods=["laplace"])
+
+
 def test_selected_epoch_is_validation_argmin(uci: vu.VBLLUCIResults) -> None:
     assert uci.records
     for r in uci.records:
@@ -113,7 +127,7 @@ def test_reported_nll_is_recomputed_predictive(uci: vu.VBLLUCIResults) -> None:
         ds = gs.data.load(r["dataset"], seed=r["seed"])
         model = uci.models[(r["dataset"], r["seed"], r["method"])]
         with torch.no_grad():
-            if r["method"] == "vbll":
+            if r["method"] in ("vbll", "gbll"):  # gbll: conditioned on train + validation
                 pred = model(ds.x_test).predictive
                 nll_std = float(-pred.log_prob(ds.y_test).mean())
                 mean, var = pred.mean, pred.var

@@ -122,3 +122,61 @@ def test_machine_record(bench: dict) -> None:
     assert info["cpus"] == os.cpu_count()
     assert isinstance(info["processor"], str) and info["processor"]
     assert info["load_1min"] is None or info["load_1min"] >= 0.0
+
+
+def test_selected_epoch_is_the_validation_argmin_of_the_trace(bench: dict) -> None:
+    """``select_every``: the reported epoch is the checkpoint with the lowest validation NLL
+    (the first on ties) and its test NLL is that checkpoint's; the fixed-budget record is the
+    same with or without the selection and the trace (they draw no random numbers)."""
+    run = bench["run_one"]
+    traced = run("yacht/60", 0, "gaussify", 6, trace_every=2, select_every=2)
+    plain = run("yacht/60", 0, "gaussify", 6)
+    assert traced["test_nll"] == plain["test_nll"]
+    assert [t["epoch"] for t in traced["trace"]] == [2, 4, 6]
+    val = [t["val_nll"] for t in traced["trace"]]
+    best = val.index(min(val))
+    assert traced["selected_epoch"] == traced["trace"][best]["epoch"]
+    assert traced["selected_val_nll"] == val[best]
+    assert traced["selected_test_nll"] == traced["trace"][best]["test_nll"]
+    assert traced["trace"][-1]["test_nll"] == pytest.approx(plain["test_nll"], abs=1e-6)
+
+
+def test_subset_keeps_the_split_validation_share(bench: dict) -> None:
+    """``name/rows``: the first ``rows`` training rows and the first ``rows // 4`` validation
+    rows (the split's 0.18 against 0.72); the test set is whole."""
+    import gaussify as gs
+
+    ds = gs.data.load("yacht", seed=1)
+    data = bench["load"]("yacht/60", 1)
+    assert torch.equal(data["x"], ds.x_train[:60])
+    assert torch.equal(data["x_val"], ds.x_val[:15])
+    assert torch.equal(data["y_test"], ds.y_test)
+
+
+def test_summary_pairs_the_selected_test_nll(bench: dict) -> None:
+    """Rows ``selected:X-gaussify`` pair the test NLL at each run's validation-chosen epoch."""
+    fixed, chosen = [0.3, 0.5, 0.1], [0.2, 0.4, 0.4]
+    records = [
+        {"dataset": "toy", "seed": s, "method": m, "test_nll": f, "selected_test_nll": c + off,
+         "selected_epoch": 10, "test_mse": 0.0, "train_mse": 0.0, "pred_var": 1.0,
+         "noise_var": 1.0}
+        for m, off in (("gaussify", 0.0), ("vbll_ws1.0", 0.1))
+        for s, (f, c) in enumerate(zip(fixed, chosen, strict=True))
+    ]  # fmt: skip
+    rows = bench["summarise"](records)
+    row = next(r for r in rows if r["method"] == "selected:vbll_ws1.0-gaussify")
+    assert row["diff_mean"] == pytest.approx(0.1)
+    assert row["a_better_seeds"] == 0
+    ours = next(r for r in rows if r["method"] == "gaussify")
+    assert ours["selected_test_nll_mean"] == pytest.approx(sum(chosen) / 3)
+
+
+def test_wscale_head_scales_the_default_draw(bench: dict) -> None:
+    """``gaussify_wscale{c}``: the default head's own draw of the mean times ``sqrt(c)``
+    (``N(0, c / D)``); everything else at the defaults."""
+    torch.manual_seed(5)
+    base = bench["make_head"]("gaussify", 100)
+    torch.manual_seed(5)
+    scaled = bench["make_head"]("gaussify_wscale4", 100)
+    assert torch.allclose(scaled.W_mean, 2.0 * base.W_mean)
+    assert torch.equal(scaled.W_cov().covariance, base.W_cov().covariance)

@@ -17,6 +17,7 @@ from gaussify.data.raw import CorruptDataError, RawData, read_npz
 from gaussify.data.registry import REGISTRY, DatasetSpec, Task
 from gaussify.data.splits import (
     check_fractions,
+    ordered_split,
     split_pool,
     standardization_stats,
     subsample,
@@ -75,7 +76,8 @@ def load(
     ``info(name).protocol`` and ``Dataset.split``): UCI regression 0.72/0.18/0.10 at random
     (VBLL App. F), the Immer et al. (2021) Table 1 classification sets 70/15/15 stratified
     (App. B.3), banana 5/5/90 stratified (App. B.2), Fashion-MNIST with its original test set,
-    the VaLLA toy with its fixed in-between gap; otherwise 70/15/15 stratified
+    the VaLLA toy with its fixed in-between gap, airline in time order (first 0.75 train, next
+    0.125 validation, last 0.125 test: VaLLA Sec. 5.2); otherwise 70/15/15 stratified
     (classification) or 0.72/0.18/0.10 (regression). ``split=(train, val, test)`` overrides
     it with a random split of all rows (stratified for classification), also for data sets
     that have an original test set or fixed parts.
@@ -250,6 +252,14 @@ def _choose_parts(
             f"{'stratified ' if strat is not None else ''}(seed {seed}{ref})"
         )
         return (train, val, test), text
+    if protocol.kind == "ordered":
+        parts = ordered_split(spec.n, protocol.fractions)
+        sizes = "/".join(str(len(p)) for p in parts)
+        text = (
+            f"in row (time) order: the first {_fmt(protocol.fractions)} of all {spec.n} rows "
+            f"train/val/test ({sizes} rows; seed {seed} does not move it{ref})"
+        )
+        return parts, text
     assert raw.fixed_parts is not None, f"{spec.name}: fixed split needs fixed_parts"
     return raw.fixed_parts, f"fixed parts (seed {seed} only draws the data{ref})"
 

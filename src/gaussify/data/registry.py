@@ -33,11 +33,14 @@ class SplitProtocol:
     ``kind="random"``: all rows split at random into ``fractions`` = (train, val, test),
     stratified by label when ``stratify``. ``kind="original_test"``: the original test set is
     the test part and the original training rows are split (train, val) by ``fractions[:2]``
-    (``fractions[2]`` is 0). ``kind="fixed"``: the data set defines its parts itself.
+    (``fractions[2]`` is 0). ``kind="ordered"``: the rows are in time order and split into
+    contiguous blocks, the first ``fractions[0]`` train, the next ``fractions[1]`` validation,
+    the last ``fractions[2]`` test (a temporal split: the seed does not move it).
+    ``kind="fixed"``: the data set defines its parts itself.
     ``reference`` names the paper and section the protocol comes from, if any.
     """
 
-    kind: Literal["random", "original_test", "fixed"]
+    kind: Literal["random", "original_test", "ordered", "fixed"]
     fractions: tuple[float, float, float] = (0.7, 0.15, 0.15)
     stratify: bool = False
     reference: str = ""
@@ -75,6 +78,8 @@ class DatasetSpec:
     installed: Callable[[], bool] | None = None
 
 
+#: the split kinds :class:`SplitProtocol` knows
+_KINDS: tuple[str, ...] = ("random", "original_test", "ordered", "fixed")
 #: where ``"reader"`` / ``"installed"`` names in ``registry.json`` are looked up
 _MODULES: dict[str, Any] = {"synthetic": synthetic, "raw": raw}
 _TABLE = Path(__file__).with_name("registry.json")
@@ -96,6 +101,8 @@ def _protocol(value: str | dict[str, Any], named: dict[str, SplitProtocol]) -> S
             raise ValueError(f"unknown protocol {value!r}; the table names {sorted(named)}")
         return named[value]
     fields = dict(value)
+    if fields.get("kind") not in _KINDS:
+        raise ValueError(f"protocol kind {fields.get('kind')!r} is not one of {_KINDS}")
     if "fractions" in fields:
         fields["fractions"] = tuple(fields["fractions"])
     return SplitProtocol(**fields)

@@ -17,6 +17,7 @@ import numpy as np
 __all__ = [
     "apportion",
     "check_fractions",
+    "ordered_split",
     "random_split",
     "split_pool",
     "standardization_stats",
@@ -72,6 +73,14 @@ def random_split(n: int, fractions: tuple[float, float, float], rng: np.random.G
     _, n_val, n_test = _sizes(n, fractions)
     perm = rng.permutation(n)
     return perm[n_test + n_val :], perm[n_test : n_test + n_val], perm[:n_test]
+
+
+def ordered_split(n: int, fractions: tuple[float, float, float]) -> Parts:
+    """(train, val, test) row indices of ``range(n)`` as contiguous blocks in row order: train
+    the first rows, val the next, test the last (sizes as :func:`random_split`'s)."""
+    n_train, n_val, _ = _sizes(n, fractions)
+    rows = np.arange(n)
+    return rows[:n_train], rows[n_train : n_train + n_val], rows[n_train + n_val :]
 
 
 def stratified_split(

@@ -15,6 +15,10 @@ class names are aliases (``Regression``, ``tRegression``, ``HetRegression``,
 ``GenClassification``). Variational features: ``VBLLBNN``, ``MeanFieldLinear``,
 ``to_mean_field``. Post-hoc: ``fit_posthoc``, ``extract_features``, ``GVBLLMAP``.
 
+Exact marginal-likelihood last layer (Watson et al. 2021, the GBLL baseline of the VBLL
+paper): ``GBLLRegression`` (``train_loss`` = negative log evidence per example, full batch;
+``fit_posterior(features, y)`` then the exact predictive).
+
 Exact last layers with Gaussian likelihood approximations (Bui): ``ExactLastLayer`` (streaming
 Kalman updates), baselines ``ADFLastLayer`` and ``SGDLastLayer``, and ``ActiveLearner``.
 """
@@ -33,6 +37,7 @@ from gaussify.last_layer.bnn import (
 )
 from gaussify.last_layer.covariance import GaussianRows
 from gaussify.last_layer.exact import ExactLastLayer
+from gaussify.last_layer.gbll import GBLLRegression
 from gaussify.last_layer.noise import GammaNoise, NoiseCovariance, inverse_wishart_log_prior
 from gaussify.last_layer.parameterization import PARAMETERIZATIONS, make_covariance
 from gaussify.last_layer.posthoc import (
@@ -71,6 +76,7 @@ __all__ = [
     "BNNOutput",
     "DiscClassification",
     "ExactLastLayer",
+    "GBLLRegression",
     "GammaNoise",
     "GaussianRows",
     "GenClassification",

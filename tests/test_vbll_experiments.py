@@ -175,6 +175,25 @@ def test_stacked_trainer_runs_the_package_layer_like_plain_loops() -> None:
             torch.testing.assert_close(run.states[k][name], value, atol=1e-5, rtol=1e-4)
 
 
+def test_prior_scale_reaches_both_vbll_heads() -> None:
+    """``run(prior_scale=v)``: prior variance ``v`` per last-layer weight in our head and in
+    the package's (which receives ``width * v``, then scales it by ``1 / width``)."""
+    pytest.importorskip("vbll")
+    res = vu.run(
+        ["yacht"], seeds=[0], max_epochs=10, patience=1, targets="centered",
+        methods=["vbll", "vbll_package"], prior_scale=1.0, keep_models=True,
+    )  # fmt: skip
+    assert res.config["prior_scale"] == 1.0
+    assert res.models[("yacht", 0, "vbll_package")][1].prior_scale == pytest.approx(1.0)
+    assert res.models[("yacht", 0, "vbll")][1].prior_scale == pytest.approx(1.0)
+    default = vu.run(
+        ["yacht"], seeds=[0], max_epochs=10, patience=1, methods=["vbll"], keep_models=True
+    )
+    assert default.models[("yacht", 0, "vbll")][1].prior_scale == pytest.approx(1.0 / 50)
+    with pytest.raises(ValueError, match="prior_scale: expected a positive finite number"):
+        vu.run(["yacht"], seeds=[0], prior_scale=-1.0)
+
+
 def test_vbll_package_missing_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -602,7 +602,7 @@ def run(
     max_epochs: int | dict[str, int] | None = None, patience: int | None = None,
     eval_every: int = 10, max_train: int | dict[str, int] | None = None,
     keep_models: bool = False, num_threads: int | None = 1, parameterization: str = "dense",
-    methods: Sequence[str] | None = None,
+    methods: Sequence[str] | None = None, prior_scale: float | None = None,
 ) -> VBLLUCIResults:  # fmt: skip
     """Run the Table 2 protocol (App. G.2) and return the results.
 
@@ -617,7 +617,10 @@ def run(
     seeds, 40 epochs, patience 2 (for tests). ``num_threads``: torch intra-op threads during
     the run (restored after). ``methods``: the trained methods to run (default all of
     :data:`TRAINED`; ``laplace*`` come with ``map``; ``"vbll_package"`` of :data:`OPTIONAL`
-    only when named). Deterministic given these arguments.
+    only when named). ``prior_scale``: the prior variance of each last-layer weight of the
+    ``vbll`` and ``vbll_package`` heads (default None: ``1 / width``, the paper's ``N(0, I)`` at
+    the package's ``prior_scale=1``; 1.0 is the literal ``N(0, I)``). Deterministic given these
+    arguments.
     """
     start = time.perf_counter()
     chosen = choose_datasets(None, DATASETS, QUICK_DATASETS, quick=quick)
@@ -635,6 +638,10 @@ def run(
         raise ValueError(f"methods: expected some of {allowed}, got {list(chosen_methods)}")
     if "vbll_package" in chosen_methods:
         package_regression_class()  # a clear ImportError before any work
+    if prior_scale is not None and not (math.isfinite(prior_scale) and prior_scale > 0):
+        raise ValueError(
+            f"prior_scale: expected a positive finite number or None, got {prior_scale}"
+        )
     if targets not in ("standardized", "centered"):
         raise ValueError(f"targets: expected 'standardized' or 'centered', got {targets!r}")
     if quick:
@@ -659,6 +666,7 @@ def run(
         },
         parameterization=parameterization,
         methods=chosen_methods,
+        prior_scale=prior_scale,
     )
     bar = None
     if progress:

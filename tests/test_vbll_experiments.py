@@ -180,14 +180,20 @@ def test_prior_scale_reaches_both_vbll_heads() -> None:
     the package's (which receives ``width * v``, then scales it by ``1 / width``)."""
     pytest.importorskip("vbll")
     res = vu.run(
-        ["yacht"], seeds=[0], max_epochs=10, patience=1, targets="centered",
+        ["yacht"], seeds=[0], max_epochs=2, eval_every=1, max_train=32, targets="centered",
         methods=["vbll", "vbll_package"], prior_scale=1.0, keep_models=True,
     )  # fmt: skip
     assert res.config["prior_scale"] == 1.0
     assert res.models[("yacht", 0, "vbll_package")][1].prior_scale == pytest.approx(1.0)
     assert res.models[("yacht", 0, "vbll")][1].prior_scale == pytest.approx(1.0)
     default = vu.run(
-        ["yacht"], seeds=[0], max_epochs=10, patience=1, methods=["vbll"], keep_models=True
+        ["yacht"],
+        seeds=[0],
+        max_epochs=2,
+        eval_every=1,
+        max_train=32,
+        methods=["vbll"],
+        keep_models=True,
     )
     assert default.models[("yacht", 0, "vbll")][1].prior_scale == pytest.approx(1.0 / 50)
     with pytest.raises(ValueError, match="prior_scale: expected a positive finite number"):

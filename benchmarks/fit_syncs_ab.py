@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,17 +64,6 @@ def _activate(table: dict[str, Any]) -> None:
     sys.modules.update(table)
 
 
-class _Syncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="src folder of the baseline")
@@ -92,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     base = _load(args.baseline)
     ours = _load(str(ROOT / "src"))
+    # the one host-read counter, this checkout's (it counts either side's reads)
+    from gaussify.host_syncs import HostSyncs
+
+    ours.update(_table())
     import curvature_fits as cf  # imports this checkout's package (active now)
 
     load_start = list(os.getloadavg())
@@ -153,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                     TensorDataset(x.repeat(rep, *[1] * (x.ndim - 1)), y.repeat(rep)),
                     batch_size=int(b),
                 )
-                with _Syncs() as mode:
+                with HostSyncs() as mode:
                     fit(model, ld)
                 counts.append(mode.count)
             syncs[key] = {"batches": [len(loader), 2 * len(loader)], "syncs": counts}

@@ -190,13 +190,15 @@ def chain_squared_sums(
         if atomic and staged and checked:  # summed apart, added once complete and finite
             views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
             _accumulate_squares(
-                run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols
-            )
+                run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols,
+                structured=structured,
+            )  # fmt: skip
             _add_staged(views, view)
         else:
             _accumulate_squares(
-                run, vectors, layers, wanted, view, chunk, buffered, cols, atomic and checked
-            )
+                run, vectors, layers, wanted, view, chunk, buffered, cols, atomic and checked,
+                structured=structured,
+            )  # fmt: skip
     return f
 
 
@@ -342,9 +344,13 @@ def _accumulate_squares(
     buffered: bool,
     cols: int | None = None,
     atomic: bool = False,
+    structured: SqrtFactor | None = None,
 ) -> None:
     """The chunked backward passes of :func:`chain_squared_sums` and their squared sums, in
     groups of ``cols`` output vectors (all K if None; the sums over K add up over groups).
+    ``structured``: the batch's vectors as a structured factor entering the chain's final
+    ``nn.Linear``, whose sums over K, sum_k u_{n,k,c}^2 (O(N C), no backward pass), are
+    formed once for the batch (one reduction instead of one per chunk and group).
 
     A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
     s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
@@ -358,7 +364,19 @@ def _accumulate_squares(
         prefix = f"{name}." if name else ""
         targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
     linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
+    last = len(run.chain) - 1
+    once = structured is not None and last in linear
+    if once:  # the chunks' passes below skip it (they start at the product with W)
+        linear.discard(last)
     squares = {i: f.new_empty(n, run.acts[i + 1].shape[1]) for i in linear} if buffered else {}
+    if once:
+        assert structured is not None
+        final = structured.squared_sums()
+        if buffered:
+            squares[last] = final
+        else:
+            _add_linear_squares(targets[last], final, run.acts[last])
+        del final
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         whole = vectors(rows)
@@ -461,14 +479,7 @@ def _reduce_chunk(
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
     ``squares``, written by the ``first`` group of vectors and added to by the others)."""
     for i, d in backward_chunk(run, ut, list(wanted), rows):
-        if isinstance(d, SqrtFactor):  # the final linear layer: O(C) squared sums
-            sq = d.squared_sums()
-            if buffered and first:
-                squares[i][rows].copy_(sq)
-            elif buffered:
-                squares[i][rows].add_(sq)
-            else:
-                _add_linear_squares(targets[i], sq, run.acts[i][rows])
+        if isinstance(d, SqrtFactor):  # the final linear layer: summed once per batch
             continue
         if i in linear:
             if buffered and first and d.shape[1] == 1:  # one vector: its square, one product

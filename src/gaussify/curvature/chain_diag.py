@@ -512,6 +512,9 @@ def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None
     s (B, out) the per-sample sums over K of the squared output gradients, a (B, in)."""
     if "weight" in views:
         w = views["weight"]
-        w.addmm_(sq.T.to(w.dtype), (a * a).to(w.dtype))
+        if sq.dtype != w.dtype or a.dtype != w.dtype:
+            sq, a = sq.to(w.dtype), a.to(w.dtype)
+        w.addmm_(sq.T, a * a)
     if "bias" in views:
-        views["bias"].add_(sq.sum(0).to(views["bias"].dtype))
+        b = views["bias"]
+        b.add_(sq.sum(0) if sq.dtype == b.dtype else sq.sum(0).to(b.dtype))

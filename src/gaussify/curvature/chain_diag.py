@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from gaussify.curvature.batched_backward import (
     ChainPass,
     backward_chunk,
+    backward_peak,
     chain_forward,
     conv_vector_group,
     module_chain,
@@ -30,6 +31,12 @@ from gaussify.curvature.batched_backward import (
     structured_chain,
 )
 from gaussify.curvature.patches import conv2d_patches
+from gaussify.curvature.pooled_conv import (
+    pooled_pays,
+    pooled_peak,
+    pooled_squared_grads,
+    pooling_after,
+)
 from gaussify.curvature.sqrt_factor import SqrtFactor
 from gaussify.likelihoods import all_finite
 
@@ -364,6 +371,7 @@ def _accumulate_squares(
         prefix = f"{name}." if name else ""
         targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
     linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
+    pooled: dict[int, int] | None = None  # the convolutions reduced from the pooling's maxima
     last = len(run.chain) - 1
     once = structured is not None and last in linear
     if once:  # the chunks' passes below skip it (they start at the product with W)
@@ -383,9 +391,12 @@ def _accumulate_squares(
         if whole.dtype != f.dtype:
             whole = whole.to(f.dtype)
         step = cols or whole.shape[1]
+        if pooled is None:
+            pooled = _pooled_convs(run, wanted, min(step, whole.shape[1]), structured)
         for c0 in range(0, whole.shape[1], step):
             ut = whole if step >= whole.shape[1] else _columns(whole, c0, c0 + step)
-            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, c0 == 0)
+            first = c0 == 0
+            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled)
             del ut  # the chunk's K-fold tensors, before the per-batch reductions
         del whole
     if atomic:
@@ -393,6 +404,29 @@ def _accumulate_squares(
         return
     for i, sq in squares.items():
         _add_linear_squares(targets[i], sq, run.acts[i])
+
+
+def _pooled_convs(
+    run: ChainPass, wanted: dict[int, str], k: int, structured: SqrtFactor | None
+) -> dict[int, int]:
+    """{convolution position: max-pooling position} for the wanted convolutions whose squared
+    sums come from the pooling's maxima (:mod:`gaussify.curvature.pooled_conv`) with K > 1
+    vectors per pass: where the product count pays and the memory is within the chain's
+    per-sample peak at K vectors (what the memory rule sized the chunks by), so the pass's
+    peak does not grow."""
+    out: dict[int, int] = {}
+    if k < 2:
+        return out
+    peak = None
+    for i in wanted:
+        j = pooling_after(run, i)
+        if j is None or not pooled_pays(run, i, j, k):
+            continue
+        if peak is None:
+            peak = backward_peak(run, k, set(wanted), structured is not None)
+        if pooled_peak(run, i, j, k) <= peak:
+            out[i] = j
+    return out
 
 
 def _columns(u: Tensor | SqrtFactor, lo: int, hi: int) -> Tensor | SqrtFactor:
@@ -474,10 +508,13 @@ def _reduce_chunk(
     squares: dict[int, Tensor],
     buffered: bool,
     first: bool = True,
+    pooled: dict[int, int] | None = None,
 ) -> None:
     """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
-    ``squares``, written by the ``first`` group of vectors and added to by the others)."""
+    ``squares``, written by the ``first`` group of vectors and added to by the others).
+    ``pooled``: convolution position -> position of the max-pooling whose maxima give its
+    squared sums (:func:`_pooled_convs`)."""
     for i, d in backward_chunk(run, ut, list(wanted), rows):
         if isinstance(d, SqrtFactor):  # the final linear layer: summed once per batch
             continue
@@ -498,6 +535,9 @@ def _reduce_chunk(
             a = run.acts[i][rows]
             if d.shape[1] == 1:  # one vector: per-sample gradients as a grouped conv's
                 sums = _single_vector_squared_grads(module, a, d)
+            elif pooled and i in pooled:  # from the maxima of the pooling after it
+                idx = run.indices[pooled[i]][rows]
+                sums = pooled_squared_grads(conv2d_patches(module, a), d, idx)
             else:
                 sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
             w.view(module.out_channels, -1).add_(sums.to(w.dtype))

@@ -7,17 +7,18 @@ this checkout's, and laplace-torch's BackPack / ASDL backends, in ONE process.
 Both versions of the package are imported in this process under the name ``gaussify`` (their
 module tables swapped in ``sys.modules`` before each call, outside the timed region). Per
 case (the case names and builders of ``curvature_fits.py``), after a warm-up fit of each
-side, ``--repeats`` rounds time in turn: the baseline's fit (its ``fit_curvature`` where
-it has one, else a bare ``update`` loop, as its benchmark ran it), this checkout's fit
+side, ``--repeats`` rounds time in turn the baseline's fit (its ``fit_curvature`` where it
+has one, else a bare ``update`` loop, as its benchmark ran it), this checkout's fit
 (``curvature_fits.gaussify_fit``: ``fit_curvature``, checks tested once per fit), with
 ``--row-loader`` also this checkout's fit with the DataLoader read row by row as main reads
 it (``batches._tensor_loader`` off: what the curvature code alone gained) and each
-laplace-torch backend; medians, ratios (best backend / each side), the host syncs per fit of
-each side (``aten::_local_scalar_dense`` calls, counted by ``gaussify.host_syncs.HostSyncs``
-on a fit of the timed batches and of twice as many) and the largest relative difference of
-the two sides' values in float64 (Monte Carlo: both from the same global seed; the draws are
-the same). Writes ``benchmarks/results/fit_syncs_ab.json`` (or ``--out``) with the load
-average before and after.
+laplace-torch backend; medians, ratios (best backend / each side; ``paired``: the median over
+rounds of each round's best-backend / side ratio, robust to the load changing between
+rounds), the host syncs per fit of each side (``aten::_local_scalar_dense`` calls, counted
+by ``gaussify.host_syncs.HostSyncs`` on a fit of the timed batches and of twice as many) and
+the largest relative difference of the two sides' values in float64 (Monte Carlo: both from
+the same global seed; the draws are the same). Writes ``benchmarks/results/fit_syncs_ab.json``
+(or ``--out``) with the load average before and after.
 """
 
 from __future__ import annotations
@@ -199,6 +200,15 @@ def main(argv: list[str] | None = None) -> None:
                 med[best] / med["ours_row_loader"] if "ours_row_loader" in med else None
             ),
             "ours_over_main_speedup": med["main"] / med["ours"],
+            # per round (the sides of one round ran back to back): robust to the load
+            # changing between rounds, where the medians of each side may mix regimes
+            "paired": {
+                f"ratio_{key}": statistics.median(
+                    t_best / t for t_best, t in zip(times[best], times[key], strict=True)
+                )
+                for key in sides
+                if key not in backends
+            },
             "syncs_per_fit": syncs,
             "max_rel_diff_f64_main_vs_ours": diff,
         }

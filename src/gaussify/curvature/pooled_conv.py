@@ -16,7 +16,7 @@ P_{o,w} = a_{idx(o,w)}, and its square summed over the K vectors is
 O W^2 (K + F) multiply-adds per sample instead of the dense products' K O T F, and no K-fold
 weight gradients (its memory: the gathered patches and M P, 2 O W F, and M, O W^2; it is used
 only where that is within the chain's per-sample peak under the memory rule, so the rule's
-chunks do not change, and where the count pays: measured 1.7 x faster than the dense
+chunks do not change, and where the count pays: measured 1.6 x faster than the dense
 products per chunk at K = 55 (16 -> 16 channels, 8 x 8, 2 x 2 pooling), 3 x slower at K = 9,
 ``benchmarks/conv_diag_split.py``).
 """

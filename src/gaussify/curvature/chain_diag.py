@@ -184,8 +184,9 @@ def chain_squared_sums(
             whole_rows = fits >= chunk
     else:
         chunk, cols, buffered, whole_rows, staged = _cached_plan(
-            run, model, k, storage, wanted, rowwise, sums, atomic, structured is not None, plans
-        )
+            run, model, k, storage, wanted, rowwise, sums, atomic, structured is not None, plans,
+            checked,
+        )  # fmt: skip
     if rowwise and (whole_rows or chunk >= n):
         # the vectors of the whole batch fit beside the chunks: form them once
         whole = vectors(slice(0, n))
@@ -224,6 +225,7 @@ def _cached_plan(
     atomic: bool,
     structured: bool,
     plans: dict[Any, Any] | None,
+    checked: bool = True,
 ) -> _Plan:
     """(samples per chunk, vectors per pass, linear sums buffered, output vectors formed for
     the whole batch, batch summed apart first) of :func:`_plan` (with ``atomic``: the
@@ -232,7 +234,9 @@ def _cached_plan(
     not kept): the plan depends only on the modules, the shapes, dtypes and device of the
     pass's activations and the arguments, not on the values, so the batches of a fit (all
     but a last, smaller one) share it instead of re-running the memory rule's Python loops
-    over the modules per batch."""
+    over the modules per batch. Unchecked (a fit's deferred checks: the batch is added to
+    the curvature directly, no batch temporary and nothing summed apart) the pass holds one
+    storage-sized tensor, the curvature's own: ``copies=1``, any plan."""
     key = (
         tuple(id(m) for _, m in run.chain),
         tuple((tuple(a.shape), a.dtype, a.device) for a in run.acts),
@@ -243,6 +247,7 @@ def _cached_plan(
         sums,
         atomic,
         structured,
+        checked,
     )
     if plans is None:
         plans = {}
@@ -251,6 +256,9 @@ def _cached_plan(
     if len(plans) > 32:  # e.g. many batch sizes: keep the table small
         plans.clear()
     flags = {"structured": structured}
+    if not checked:  # added directly: no batch temporary (copies=1), nothing staged
+        plans[key] = (*_plan(run, model, k, storage, wanted, rowwise, sums, 1, **flags)[1], False)
+        return plans[key]
     cost, plan = _plan(run, model, k, storage, wanted, rowwise, sums, **flags)
     staged = False
     if atomic:

@@ -201,8 +201,8 @@ def formulations(name: str, device: str) -> dict[str, Any]:
         storage = sum(p.numel() for p in model.parameters())
         n = run.acts[0].shape[0]
         sums = sum(n * run.acts[q + 1][0].numel() for q in wanted if type(chain[q][1]) is nn.Linear)
-        plan = chain_diag._cached_plan(
-            run, model, k, storage, wanted, False, sums, False, True, None
+        plan = chain_diag._cached_plan(  # the fit's plan (checks deferred)
+            run, model, k, storage, wanted, False, sums, False, True, None, False
         )
         chunk, cols = plan[0], plan[1]
         i = convs[-1]

@@ -183,10 +183,10 @@ def chain_squared_sums(
             )
             whole_rows = fits >= chunk
     else:
+        options = {"atomic": atomic, "structured": structured is not None, "checked": checked}
         chunk, cols, buffered, whole_rows, staged = _cached_plan(
-            run, model, k, storage, wanted, rowwise, sums, atomic, structured is not None, plans,
-            checked,
-        )  # fmt: skip
+            run, model, k, storage, wanted, rowwise, sums, plans=plans, **options
+        )
     if rowwise and (whole_rows or chunk >= n):
         # the vectors of the whole batch fit beside the chunks: form them once
         whole = vectors(slice(0, n))
@@ -197,16 +197,16 @@ def chain_squared_sums(
     with torch.no_grad():
         if atomic and staged and checked:  # summed apart, added once complete and finite
             views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
+            targets = views.__getitem__
             _accumulate_squares(
-                run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols,
-                structured=structured,
-            )  # fmt: skip
+                run, vectors, layers, wanted, targets, chunk, buffered, cols, structured=structured
+            )
             _add_staged(views, view)
         else:
+            checked_adds = atomic and checked  # the buffered sums tested before they are added
             _accumulate_squares(
-                run, vectors, layers, wanted, view, chunk, buffered, cols, atomic and checked,
-                structured=structured,
-            )  # fmt: skip
+                run, vectors, layers, wanted, view, chunk, buffered, cols, checked_adds, structured
+            )
     return f
 
 

@@ -220,18 +220,23 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
     """What no fit can beat, timed on the same batches: ``train_epoch_s``, one forward and
     backward pass of the summed cross-entropy per batch (one training epoch without the
     optimiser), and for a chain (all weights): ``forward_s``, gaussify's forward pass without
-    a graph alone; ``backward_s``, that forward pass and its K batched backward passes (K = C
+    a graph alone (every floor reads the batches as the fits do, ``batches.as_batches``);
+    ``backward_s``, that forward pass and its K batched backward passes (K = C
     for the exact GGN, 1 for the empirical Fisher and Monte Carlo) to the first layer in the
     memory rule's chunks (groups of K' < K vectors where one sample with all K exceeds the
     rule) with no reduction (the propagation the diagonal and KFAC both need); for KFAC
     ``input_factors_s``, the forward pass and the input factors A = sum [a, 1] [a, 1]^T alone
     (im2col patches in the rule's chunks), which every KFAC computes the same way."""
+    from gaussify.batches import as_batches
     from gaussify.curvature import batched_backward as bb
     from gaussify.curvature import kron_grams
     from gaussify.likelihoods import get_likelihood
 
+    # the batches as the fits read them (a TensorDataset loader: one slice per batch)
+    batches = as_batches(loader)
+
     def epoch() -> None:
-        for xb, yb in loader:
+        for xb, yb in batches:
             model.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
         model.zero_grad(set_to_none=True)
@@ -247,12 +252,12 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
 
     def forward() -> None:
         with torch.no_grad():
-            for xb, _ in loader:
+            for xb, _ in batches:
                 bb.chain_forward(chain, xb)
 
     def backward() -> None:
         with torch.no_grad():
-            for xb, yb in loader:
+            for xb, yb in batches:
                 run = bb.chain_forward(chain, xb)
                 if case["flavour"] == "ggn":
                     u = lik.hessian_sqrt(run.output).transpose(1, 2)
@@ -273,7 +278,7 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
 
     def input_factors() -> None:
         with torch.no_grad():
-            for xb, _ in loader:
+            for xb, _ in batches:
                 run = bb.chain_forward(chain, xb)
                 budget = kron_grams.chain_input_budget(model, run, storage)
                 for i in layers:

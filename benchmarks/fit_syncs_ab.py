@@ -2,18 +2,23 @@
 this checkout's, and laplace-torch's BackPack / ASDL backends, in ONE process.
 
     python benchmarks/fit_syncs_ab.py --baseline /path/to/main/src [--threads 2] [--repeats 7]
-        [--cases mlp/256/10/diag/ef ...] [--device cpu]
+        [--cases mlp/256/10/diag/ef ...] [--device cpu] [--row-loader] [--out FILE]
 
 Both versions of the package are imported in this process under the name ``gaussify`` (their
 module tables swapped in ``sys.modules`` before each call, outside the timed region). Per
 case (the case names and builders of ``curvature_fits.py``), after a warm-up fit of each
-side, ``--repeats`` rounds time in turn: the baseline's fit (a bare ``update`` loop, as its
-benchmark ran it), this checkout's fit (``curvature_fits.gaussify_fit``:
-``fit_curvature``, checks tested once per fit) and each laplace-torch backend; medians,
-ratios (best backend / each side), the host syncs per fit of each side (``aten::
-_local_scalar_dense`` calls, counted by a dispatch mode on a fit of the timed batches and of
-twice as many) and the largest relative difference of the two sides' values in float64.
-Writes ``benchmarks/results/fit_syncs_ab.json`` with the load average before and after.
+side, ``--repeats`` rounds time in turn the baseline's fit (its ``fit_curvature`` where it
+has one, else a bare ``update`` loop, as its benchmark ran it), this checkout's fit
+(``curvature_fits.gaussify_fit``: ``fit_curvature``, checks tested once per fit), with
+``--row-loader`` also this checkout's fit with the DataLoader read row by row as main reads
+it (``batches._tensor_loader`` off: what the curvature code alone gained) and each
+laplace-torch backend; medians, ratios (best backend / each side; ``paired``: the median over
+rounds of each round's best-backend / side ratio, robust to the load changing between
+rounds), the host syncs per fit of each side (``aten::_local_scalar_dense`` calls, counted
+by ``gaussify.host_syncs.HostSyncs`` on a fit of the timed batches and of twice as many) and
+the largest relative difference of the two sides' values in float64 (Monte Carlo: both from
+the same global seed; the draws are the same). Writes ``benchmarks/results/fit_syncs_ab.json``
+(or ``--out``) with the load average before and after.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,17 +69,6 @@ def _activate(table: dict[str, Any]) -> None:
     sys.modules.update(table)
 
 
-class _Syncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="src folder of the baseline")
@@ -83,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (models and data there)")
+    parser.add_argument(
+        "--row-loader",
+        action="store_true",
+        help="also time this checkout's fit with a DataLoader read row by row (as main)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/fit_syncs_ab.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     base = _load(args.baseline)
     ours = _load(str(ROOT / "src"))
+    # the one host-read counter, this checkout's (it counts either side's reads)
+    from gaussify.host_syncs import HostSyncs
+
+    ours.update(_table())
     import curvature_fits as cf  # imports this checkout's package (active now)
 
     load_start = list(os.getloadavg())
@@ -109,22 +111,41 @@ def main(argv: list[str] | None = None) -> None:
             from gaussify.curvature import make_curvature
 
             options: dict[str, Any] = {"ef": fl == "ef"}
+            if fl == "mc":
+                options["mc_samples"] = 1
             if s == "kron":
                 options["kron_bias"] = "separate"
             curv = make_curvature(s, mdl, "classification", "all", **options)
-            for xb, yb in ld:
-                curv.update(mdl, xb, yb)
-            return curv
+            try:  # the baseline's own fit (checks tested once per fit), where it has one
+                from gaussify.curvature.fitting import fit_curvature
+            except ImportError:  # older baselines: the bare update loop
+                for xb, yb in ld:
+                    curv.update(mdl, xb, yb)
+                return curv
+            return fit_curvature(curv, mdl, ld)
 
         def our_fit(mdl: Any, ld: Any, case: dict[str, Any] = case) -> Any:
             _activate(ours)
             return cf.gaussify_fit(case, mdl, ld)
+
+        def our_fit_row_loader(mdl: Any, ld: Any, case: dict[str, Any] = case) -> Any:
+            # this checkout's fit with the loader iterated row by row, as main does
+            _activate(ours)
+            batches = sys.modules["gaussify.batches"]
+            fast = batches._tensor_loader
+            batches._tensor_loader = lambda data: False
+            try:
+                return cf.gaussify_fit(case, mdl, ld)
+            finally:
+                batches._tensor_loader = fast
 
         backends = ["BackPackGGN", "AsdlGGN"] + (["CurvlinopsGGN"] if s == "kron" else [])
         sides: dict[str, Callable[[], Any]] = {
             "main": functools.partial(base_fit, model, loader),
             "ours": functools.partial(our_fit, model, loader),
         }
+        if args.row_loader:
+            sides["ours_row_loader"] = functools.partial(our_fit_row_loader, model, loader)
         for bk in backends:  # each on its own (identically seeded) model: BackPack's hooks
             own = cf.build_model(m, int(c)).to(dev).eval()
             sides[bk] = functools.partial(cf.backend_fit, case, bk, own, loader)
@@ -153,14 +174,16 @@ def main(argv: list[str] | None = None) -> None:
                     TensorDataset(x.repeat(rep, *[1] * (x.ndim - 1)), y.repeat(rep)),
                     batch_size=int(b),
                 )
-                with _Syncs() as mode:
+                with HostSyncs() as mode:
                     fit(model, ld)
                 counts.append(mode.count)
             syncs[key] = {"batches": [len(loader), 2 * len(loader)], "syncs": counts}
         model64 = cf.build_model(m, int(c)).to(dev, torch.float64).eval()
         x64, y64 = cf.load_data(m, int(c), torch.float64, dev)
         ld64 = DataLoader(TensorDataset(x64, y64), batch_size=int(b))
+        torch.manual_seed(0)  # Monte Carlo: the same global stream for both sides' draws
         v_main = cf.gaussify_values(case, base_fit(model64, ld64))
+        torch.manual_seed(0)
         v_ours = cf.gaussify_values(case, our_fit(model64, ld64))
         diff = float((v_main - v_ours).abs().max() / v_main.abs().max())
         row = {
@@ -173,7 +196,19 @@ def main(argv: list[str] | None = None) -> None:
             "best_backend": best,
             "ratio_main": med[best] / med["main"],
             "ratio_ours": med[best] / med["ours"],
+            "ratio_ours_row_loader": (
+                med[best] / med["ours_row_loader"] if "ours_row_loader" in med else None
+            ),
             "ours_over_main_speedup": med["main"] / med["ours"],
+            # per round (the sides of one round ran back to back): robust to the load
+            # changing between rounds, where the medians of each side may mix regimes
+            "paired": {
+                f"ratio_{key}": statistics.median(
+                    t_best / t for t_best, t in zip(times[best], times[key], strict=True)
+                )
+                for key in sides
+                if key not in backends
+            },
             "syncs_per_fit": syncs,
             "max_rel_diff_f64_main_vs_ours": diff,
         }
@@ -181,7 +216,13 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name:24s} main {med['main']:.4f}s ours {med['ours']:.4f}s {best} "
             f"{med[best]:.4f}s  ratio main {row['ratio_main']:.2f}x ours "
-            f"{row['ratio_ours']:.2f}x  syncs main {syncs['main']['syncs']} ours "
+            f"{row['ratio_ours']:.2f}x"
+            + (
+                f" (row loader {row['ratio_ours_row_loader']:.2f}x)"
+                if row["ratio_ours_row_loader"]
+                else ""
+            )
+            + f"  syncs main {syncs['main']['syncs']} ours "
             f"{syncs['ours']['syncs']}  diff {diff:.1e}",
             flush=True,
         )

@@ -1026,6 +1026,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu", help="torch device for models and data")
     parser.add_argument("--jobs", type=int, default=1, help="--fits: cases run at once")
+    parser.add_argument(
+        "--cases", nargs="+", metavar="NAME", help="--fits: only these cases (curvature_fits.py)"
+    )
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = FITS_OUT if args.fits else DEFAULT_OUT
@@ -1059,6 +1062,7 @@ def main(argv: list[str] | None = None) -> None:
 
         fits_argv = ["--threads", str(args.threads), "--repeats", str(args.repeats)]
         fits_argv += ["--device", args.device, "--out", str(args.out), "--jobs", str(args.jobs)]
+        fits_argv += ["--cases", *args.cases] if args.cases else []
         curvature_fits.main(fits_argv + (["--quick"] if args.quick else []))
         return
     torch.set_num_threads(args.threads)

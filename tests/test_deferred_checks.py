@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import gaussify as gs
@@ -22,22 +21,9 @@ from gaussify.deferred_checks import (
     deferred_checks,
     deferring,
 )
+from gaussify.host_syncs import HostSyncs
 
 DT = torch.float64
-
-
-class HostSyncs(TorchDispatchMode):
-    """Counts the reads of a tensor's value on the host (``.item()``, ``bool(t)``,
-    ``int(t)``, ``float(t)`` all dispatch ``aten::_local_scalar_dense``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _mlp(c: int = 4) -> nn.Module:
@@ -94,6 +80,39 @@ def test_curvature_fit_host_syncs_do_not_grow_with_the_batches(
         curv = make_curvature(structure, model, "classification", ef=ef)
         counts.append(_syncs(lambda: fit_curvature(curv, model, loader)))  # noqa: B023
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_monte_carlo_fit_host_syncs_do_not_grow_with_the_batches(
+    model_name: str, structure: str
+) -> None:
+    """The Monte Carlo GGN's sampled labels read nothing per batch: the outputs' finiteness
+    is a deferred check and the categorical draw (the exponential race, torch.multinomial's
+    own) has no validity read (main read the device once per batch there)."""
+    c = 4 if model_name == "mlp" else 3
+    build = _mlp if model_name == "mlp" else _cnn
+    counts = []
+    for batches in (2, 8):
+        model = build(c)
+        x, y = _data(model_name, 4 * batches, c)
+        curv = make_curvature(
+            structure, model, "classification", mc_samples=1, generator=torch.Generator()
+        )
+        counts.append(_syncs(lambda: fit_curvature(curv, model, (x, y), 4)))  # noqa: B023
+    assert counts[0] == counts[1], counts
+
+
+def test_monte_carlo_fit_with_nan_outputs_raises_once_and_changes_nothing() -> None:
+    """NaN outputs in batch 1 of a Monte Carlo fit: the draw does not fail on them, the
+    deferred check raises the outputs' message naming the batch, the state is set back."""
+    model = _mlp(4)
+    x, y = _data("mlp", 12, 4)
+    x[5] = float("nan")
+    curv = make_curvature("diag", model, "classification", mc_samples=2)
+    with pytest.raises(ValueError, match=r"NaN or inf.*\(batch 1 of the fit"):
+        fit_curvature(curv, model, (x, y), 4)
+    assert curv.num_data == 0 and not curv.ggn_diag.any()
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron"])

@@ -179,6 +179,11 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # batches.py
     ("_TensorBatches.__iter__", "torch.arange"): (1, ORDER),
     ("_TensorBatches.__iter__", "torch.randperm"): (1, ORDER),
+    ("_TensorLoaderBatches.__iter__", "torch.empty"): (
+        1,
+        "the DataLoader iterator's base-seed draw, replicated on its (host) generator so the "
+        "random streams advance as the loader's own iteration; never read",
+    ),
     # curvature/base.py
     ("as_hyperparameter", "torch.as_tensor"): (1, INPUT),
     # curvature/diag.py

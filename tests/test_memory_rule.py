@@ -27,6 +27,7 @@ from gaussify.curvature.batched_backward import (
     rule_chunk,
     rule_columns,
 )
+from gaussify.curvature.fitting import fit_curvature
 
 #: the benchmark's measurement of a peak (torch.profiler allocation events) and its CNN, not
 #: copies of them
@@ -158,3 +159,69 @@ def test_linear_chain_diagonal_overflow_leaves_the_state_unchanged() -> None:
         curv.update(big, x, y)
     assert torch.equal(curv.ggn_diag, before)
     assert curv.num_data == 4
+
+
+def mlp(c: int) -> nn.Sequential:
+    """The benchmark's MLP (seeded): 64-100-100-c, ReLU."""
+    return _FITS["build_model"]("mlp", c).eval()
+
+
+@pytest.mark.parametrize(
+    ("model_name", "classes", "batch", "flavour"),
+    [
+        ("mlp", 10, 256, "ef"),
+        ("mlp", 10, 256, "ggn"),
+        ("cnn", 10, 32, "ggn"),
+        pytest.param("cnn", 100, 32, "ggn", marks=pytest.mark.slow),  # ~3 s
+    ],
+)
+def test_deferred_fit_peak_within_twice_a_training_step_and_storage(
+    model_name: str, classes: int, batch: int, flavour: str
+) -> None:
+    """A fit's deferred checks add each batch to the curvature directly (no batch
+    temporary), so its chunks are planned with one storage-sized tensor: larger chunks,
+    still within the rule, measured on a fit of two batches."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (2 * batch, 64) if model_name == "mlp" else (2 * batch, 1, 8, 8)
+    x = torch.rand(*shape, generator=gen)
+    y = torch.randint(0, classes, (2 * batch,), generator=gen)
+    build = mlp if model_name == "mlp" else cnn
+    model = build(classes)
+
+    def fit():  # type: ignore[no-untyped-def]
+        curv = make_curvature("diag", model, "classification", ef=flavour == "ef")
+        return fit_curvature(curv, model, (x, y), batch)
+
+    fit()
+    curv, peak = alloc_peak(fit)
+    _, step = alloc_peak(lambda: train_step(build(classes), x[:batch], y[:batch]))
+    storage = sum(t.numel() * t.element_size() for t in curv.state_dict().values())
+    assert peak <= 2 * (step + storage), (peak, step, storage)
+
+
+def test_deferred_fit_plans_without_a_batch_temporary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The empirical Fisher of the benchmark's MLP on a batch of 256: one backward chunk per
+    batch inside a fit (the batch added directly: one storage-sized tensor in the plan), two
+    for a lone checked ``update`` (its deferred, buffered additions: the (N, out) buffers
+    take budget; in float32, as the benchmark); the same diagonal to float32 round-off."""
+    from gaussify.curvature import chain_diag
+
+    model = mlp(10)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(256, 64, generator=gen)
+    y = torch.randint(0, 10, (256,), generator=gen)
+    chunks: list[int] = []
+    real = chain_diag._reduce_chunk
+
+    def counted(run, ut, rows, *args):  # type: ignore[no-untyped-def]
+        chunks.append(rows.stop - rows.start)
+        return real(run, ut, rows, *args)
+
+    monkeypatch.setattr(chain_diag, "_reduce_chunk", counted)
+    fitted = fit_curvature(make_curvature("diag", model, "classification", ef=True), model, (x, y))
+    assert chunks == [256]
+    chunks.clear()
+    lone = make_curvature("diag", model, "classification", ef=True)
+    lone.update(model, x, y)
+    assert len(chunks) == 2 and sum(chunks) == 256
+    torch.testing.assert_close(fitted.ggn_diag, lone.ggn_diag, rtol=1e-5, atol=1e-12)

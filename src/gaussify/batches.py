@@ -16,7 +16,15 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TypeAlias
 
 import torch
+import torch.distributed
 from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    SequentialSampler,
+    TensorDataset,
+    default_collate,
+)
 
 __all__ = ["INPUT_KEY", "LABEL_KEY", "Batches", "DictBatches", "as_batches", "num_examples"]
 
@@ -54,6 +62,8 @@ def as_batches(
         )
     if isinstance(data, DictBatches):
         return data
+    if _tensor_loader(data):
+        return _TensorLoaderBatches(data)  # type: ignore[arg-type]
     return DictBatches(data)
 
 
@@ -124,3 +134,59 @@ class _TensorBatches:
         for start in range(0, n, self.batch_size):
             idx = order[start : start + self.batch_size]
             yield self.x[idx], self.y[idx]
+
+
+def _tensor_loader(data: object) -> bool:
+    """Whether ``data`` is a plain single-process ``DataLoader`` over a ``TensorDataset`` of
+    (x, y) with torch's default collation, no pinned memory and no process group: its
+    batches are then x[indices], y[indices] for the index lists of its batch sampler
+    (:class:`_TensorLoaderBatches`)."""
+    if type(data) is not DataLoader:
+        return False
+    loader: DataLoader[Any] = data  # type: ignore[assignment]
+    dataset = loader.dataset
+    return (
+        type(dataset) is TensorDataset
+        and len(dataset.tensors) == 2
+        and loader.num_workers == 0
+        and loader.batch_sampler is not None  # batch_size=None: items, not batches
+        and loader.collate_fn is default_collate
+        and not loader.pin_memory
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    )
+
+
+class _TensorLoaderBatches(DictBatches):
+    """The batches of a plain ``DataLoader`` over a ``TensorDataset`` (:func:`_tensor_loader`)
+    without its per-sample path: the loader fetches each row as a tuple of 0-or-more-dim
+    tensors (two indexing operations per row) and stacks them per batch; here each batch
+    is one indexing of each tensor by the batch sampler's indices (one slice for a
+    sequential sampler). The same values, dtypes and shapes, in fresh contiguous tensors as
+    the loader's, and the same random numbers drawn: the loader's iterator draws its base
+    seed from ``loader.generator`` (the global stream when None) once per pass, after
+    starting the sampler, and so does this."""
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        loader: DataLoader[Any] = self.loader  # type: ignore[assignment]
+        x, y = loader.dataset.tensors  # type: ignore[attr-defined]
+        sampler = loader.batch_sampler
+        assert sampler is not None
+        indices = iter(sampler)
+        # the loader iterator's base seed (its worker seeds): one draw per pass, not read
+        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        sequential = type(sampler) is BatchSampler and type(sampler.sampler) is SequentialSampler
+        if sequential:
+            n, size = len(sampler.sampler), sampler.batch_size
+            stop = n - n % size if sampler.drop_last else n
+            for start in range(0, stop, size):
+                rows = slice(start, min(start + size, n))
+                yield _fresh(x[rows]), _fresh(y[rows])
+            return
+        for batch in indices:
+            idx = torch.as_tensor(batch, dtype=torch.long, device=x.device)
+            yield x[idx], y[idx if y.device == x.device else idx.to(y.device)]
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` (as the loader's ``torch.stack`` makes)."""
+    return t.clone(memory_format=torch.contiguous_format)

@@ -11,10 +11,13 @@ made elsewhere with an explicit ``device=``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from gaussify.deferred_checks import check
 
 
 def normal(
@@ -32,13 +35,29 @@ def normal(
     return eps.to(device)
 
 
-def categorical(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def categorical(
+    probs: Tensor, generator: torch.Generator | None = None, *, validate: bool = True
+) -> Tensor:
     """One class index per row of ``probs (N, C)`` (rows need not be normalised), on
-    ``probs``'s device; drawn on ``generator``'s device when one is given."""
+    ``probs``'s device; drawn on ``generator``'s device when one is given.
+
+    argmax_c p_c / q_c with q_c ~ Exp(1) i.i.d.: the index c has probability
+    p_c / sum p (the exponential race; the Gumbel-max trick with p / q = exp(log p - log q)
+    and -log q Gumbel distributed). This is ``torch.multinomial(probs, 1)``'s own draw, from
+    the same random numbers of the same generator (the draws are identical), without its
+    validity test's host read: ``validate`` records that test (entries >= 0 and finite,
+    ``ValueError`` naming ``probs``) as a check of :mod:`gaussify.deferred_checks`, tested
+    at once outside a fit's scope and once per fit inside it (``validate=False``: the
+    caller has checked, e.g. probabilities from a softmax of checked outputs)."""
+    if validate and probs.numel():
+        lo, hi = torch.aminmax(probs.detach())
+        check((lo >= 0) & (hi < math.inf), "probs: entries must be finite and >= 0")
     if generator is None:
-        return torch.multinomial(probs, 1).squeeze(-1)
-    draw = torch.multinomial(probs.to(generator.device), 1, generator=generator)
-    return draw.squeeze(-1).to(probs.device)
+        q = torch.empty_like(probs).exponential_(1)
+        return (probs / q).argmax(-1)
+    p = probs.to(generator.device)
+    q = torch.empty_like(p).exponential_(1, generator=generator)
+    return (p / q).argmax(-1).to(probs.device)
 
 
 def bernoulli(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -245,8 +245,10 @@ class Categorical:
         return torch.softmax(_check_f(f), dim=-1)
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        p = torch.softmax(_check_f(f, defer=False), dim=-1)  # NaN would fail the draw
-        return draws.categorical(p, generator)
+        # a fit's draws read nothing: NaN outputs are reported by the deferred check (the
+        # draw of a NaN row is some index, discarded with the failed fit)
+        p = torch.softmax(_check_f(f), dim=-1)
+        return draws.categorical(p, generator, validate=False)
 
 
 class Bernoulli:

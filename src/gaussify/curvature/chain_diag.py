@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from gaussify.curvature.batched_backward import (
     ChainPass,
     backward_chunk,
+    backward_peak,
     chain_forward,
     conv_vector_group,
     module_chain,
@@ -30,6 +31,12 @@ from gaussify.curvature.batched_backward import (
     structured_chain,
 )
 from gaussify.curvature.patches import conv2d_patches
+from gaussify.curvature.pooled_conv import (
+    pooled_pays,
+    pooled_peak,
+    pooled_squared_grads,
+    pooling_after,
+)
 from gaussify.curvature.sqrt_factor import SqrtFactor
 from gaussify.likelihoods import all_finite
 
@@ -176,8 +183,9 @@ def chain_squared_sums(
             )
             whole_rows = fits >= chunk
     else:
+        options = {"atomic": atomic, "structured": structured is not None, "checked": checked}
         chunk, cols, buffered, whole_rows, staged = _cached_plan(
-            run, model, k, storage, wanted, rowwise, sums, atomic, structured is not None, plans
+            run, model, k, storage, wanted, rowwise, sums, plans=plans, **options
         )
     if rowwise and (whole_rows or chunk >= n):
         # the vectors of the whole batch fit beside the chunks: form them once
@@ -189,13 +197,15 @@ def chain_squared_sums(
     with torch.no_grad():
         if atomic and staged and checked:  # summed apart, added once complete and finite
             views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
+            targets = views.__getitem__
             _accumulate_squares(
-                run, vectors, layers, wanted, views.__getitem__, chunk, buffered, cols
+                run, vectors, layers, wanted, targets, chunk, buffered, cols, structured=structured
             )
             _add_staged(views, view)
         else:
+            checked_adds = atomic and checked  # the buffered sums tested before they are added
             _accumulate_squares(
-                run, vectors, layers, wanted, view, chunk, buffered, cols, atomic and checked
+                run, vectors, layers, wanted, view, chunk, buffered, cols, checked_adds, structured
             )
     return f
 
@@ -215,6 +225,7 @@ def _cached_plan(
     atomic: bool,
     structured: bool,
     plans: dict[Any, Any] | None,
+    checked: bool = True,
 ) -> _Plan:
     """(samples per chunk, vectors per pass, linear sums buffered, output vectors formed for
     the whole batch, batch summed apart first) of :func:`_plan` (with ``atomic``: the
@@ -223,7 +234,9 @@ def _cached_plan(
     not kept): the plan depends only on the modules, the shapes, dtypes and device of the
     pass's activations and the arguments, not on the values, so the batches of a fit (all
     but a last, smaller one) share it instead of re-running the memory rule's Python loops
-    over the modules per batch."""
+    over the modules per batch. Unchecked (a fit's deferred checks: the batch is added to
+    the curvature directly, no batch temporary and nothing summed apart) the pass holds one
+    storage-sized tensor, the curvature's own: ``copies=1``, any plan."""
     key = (
         tuple(id(m) for _, m in run.chain),
         tuple((tuple(a.shape), a.dtype, a.device) for a in run.acts),
@@ -234,6 +247,7 @@ def _cached_plan(
         sums,
         atomic,
         structured,
+        checked,
     )
     if plans is None:
         plans = {}
@@ -242,6 +256,9 @@ def _cached_plan(
     if len(plans) > 32:  # e.g. many batch sizes: keep the table small
         plans.clear()
     flags = {"structured": structured}
+    if not checked:  # added directly: no batch temporary (copies=1), nothing staged
+        plans[key] = (*_plan(run, model, k, storage, wanted, rowwise, sums, 1, **flags)[1], False)
+        return plans[key]
     cost, plan = _plan(run, model, k, storage, wanted, rowwise, sums, **flags)
     staged = False
     if atomic:
@@ -342,9 +359,13 @@ def _accumulate_squares(
     buffered: bool,
     cols: int | None = None,
     atomic: bool = False,
+    structured: SqrtFactor | None = None,
 ) -> None:
     """The chunked backward passes of :func:`chain_squared_sums` and their squared sums, in
     groups of ``cols`` output vectors (all K if None; the sums over K add up over groups).
+    ``structured``: the batch's vectors as a structured factor entering the chain's final
+    ``nn.Linear``, whose sums over K, sum_k u_{n,k,c}^2 (O(N C), no backward pass), are
+    formed once for the batch (one reduction instead of one per chunk and group).
 
     A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
     s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
@@ -358,16 +379,32 @@ def _accumulate_squares(
         prefix = f"{name}." if name else ""
         targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
     linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
+    pooled: dict[int, int] | None = None  # the convolutions reduced from the pooling's maxima
+    last = len(run.chain) - 1
+    once = structured is not None and last in linear
+    if once:  # the chunks' passes below skip it (they start at the product with W)
+        linear.discard(last)
     squares = {i: f.new_empty(n, run.acts[i + 1].shape[1]) for i in linear} if buffered else {}
+    if once:
+        assert structured is not None
+        final = structured.squared_sums()
+        if buffered:
+            squares[last] = final
+        else:
+            _add_linear_squares(targets[last], final, run.acts[last])
+        del final
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         whole = vectors(rows)
         if whole.dtype != f.dtype:
             whole = whole.to(f.dtype)
         step = cols or whole.shape[1]
+        if pooled is None:
+            pooled = _pooled_convs(run, wanted, min(step, whole.shape[1]), structured)
         for c0 in range(0, whole.shape[1], step):
             ut = whole if step >= whole.shape[1] else _columns(whole, c0, c0 + step)
-            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, c0 == 0)
+            first = c0 == 0
+            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled)
             del ut  # the chunk's K-fold tensors, before the per-batch reductions
         del whole
     if atomic:
@@ -375,6 +412,29 @@ def _accumulate_squares(
         return
     for i, sq in squares.items():
         _add_linear_squares(targets[i], sq, run.acts[i])
+
+
+def _pooled_convs(
+    run: ChainPass, wanted: dict[int, str], k: int, structured: SqrtFactor | None
+) -> dict[int, int]:
+    """{convolution position: max-pooling position} for the wanted convolutions whose squared
+    sums come from the pooling's maxima (:mod:`gaussify.curvature.pooled_conv`) with K > 1
+    vectors per pass: where the product count pays and the memory is within the chain's
+    per-sample peak at K vectors (what the memory rule sized the chunks by), so the pass's
+    peak does not grow."""
+    out: dict[int, int] = {}
+    if k < 2:
+        return out
+    peak = None
+    for i in wanted:
+        j = pooling_after(run, i)
+        if j is None or not pooled_pays(run, i, j, k):
+            continue
+        if peak is None:
+            peak = backward_peak(run, k, set(wanted), structured is not None)
+        if pooled_peak(run, i, j, k) <= peak:
+            out[i] = j
+    return out
 
 
 def _columns(u: Tensor | SqrtFactor, lo: int, hi: int) -> Tensor | SqrtFactor:
@@ -456,19 +516,15 @@ def _reduce_chunk(
     squares: dict[int, Tensor],
     buffered: bool,
     first: bool = True,
+    pooled: dict[int, int] | None = None,
 ) -> None:
     """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
-    ``squares``, written by the ``first`` group of vectors and added to by the others)."""
+    ``squares``, written by the ``first`` group of vectors and added to by the others).
+    ``pooled``: convolution position -> position of the max-pooling whose maxima give its
+    squared sums (:func:`_pooled_convs`)."""
     for i, d in backward_chunk(run, ut, list(wanted), rows):
-        if isinstance(d, SqrtFactor):  # the final linear layer: O(C) squared sums
-            sq = d.squared_sums()
-            if buffered and first:
-                squares[i][rows].copy_(sq)
-            elif buffered:
-                squares[i][rows].add_(sq)
-            else:
-                _add_linear_squares(targets[i], sq, run.acts[i][rows])
+        if isinstance(d, SqrtFactor):  # the final linear layer: summed once per batch
             continue
         if i in linear:
             if buffered and first and d.shape[1] == 1:  # one vector: its square, one product
@@ -487,6 +543,9 @@ def _reduce_chunk(
             a = run.acts[i][rows]
             if d.shape[1] == 1:  # one vector: per-sample gradients as a grouped conv's
                 sums = _single_vector_squared_grads(module, a, d)
+            elif pooled and i in pooled:  # from the maxima of the pooling after it
+                idx = run.indices[pooled[i]][rows]
+                sums = pooled_squared_grads(conv2d_patches(module, a), d, idx)
             else:
                 sums = _conv_squared_grads(module, conv2d_patches(module, a), d)
             w.view(module.out_channels, -1).add_(sums.to(w.dtype))
@@ -501,6 +560,9 @@ def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None
     s (B, out) the per-sample sums over K of the squared output gradients, a (B, in)."""
     if "weight" in views:
         w = views["weight"]
-        w.addmm_(sq.T.to(w.dtype), (a * a).to(w.dtype))
+        if sq.dtype != w.dtype or a.dtype != w.dtype:
+            sq, a = sq.to(w.dtype), a.to(w.dtype)
+        w.addmm_(sq.T, a * a)
     if "bias" in views:
-        views["bias"].add_(sq.sum(0).to(views["bias"].dtype))
+        b = views["bias"]
+        b.add_(sq.sum(0) if sq.dtype == b.dtype else sq.sum(0).to(b.dtype))

@@ -27,6 +27,7 @@ from torch import nn
 import gaussify as gs
 from gaussify.experiments import vbll_classification as vc
 from gaussify.experiments import vbll_uci as vu
+from gaussify.experiments.stacked_training import _Objective
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,8 +102,112 @@ def test_gbll_loss_is_the_heads_train_loss_and_validation_its_posterior() -> Non
     head = copy.deepcopy(model[1]).fit_posterior(model[0](x[:8]), y[:8])
     want = -head(model[0](x[8:])).log_prob(y[8:]).mean()
     assert nll == pytest.approx(float(want.detach()), rel=1e-12)
-    with pytest.raises(ValueError, match=r"methods: expected some of \['vbll', 'map', 'gbll'\]"):
+    with pytest.raises(
+        ValueError, match=r"methods: expected some of \['vbll', 'map', 'gbll', 'vbll_package'\]"
+    ):
         vu.run(["yacht"], seeds=[0], methods=["laplace"])
+
+
+def _package_models(seeds: list[int], d_in: int, n: int, width: int) -> list[nn.Module]:
+    models = []
+    for s in seeds:
+        torch.manual_seed(s)
+        models.append(vu.make_model("vbll_package", d_in, n, width=width))
+    return models
+
+
+def test_vbll_package_loss_is_the_package_layers_own_loss() -> None:
+    vbll = pytest.importorskip("vbll")
+    models = _package_models([0, 1], 3, 40, width=6)
+    head = models[0][1]
+    # App. G.2 at the package's own parameterisation: N(0, I) -> prior_scale=1, which the
+    # package scales by 1 / width; W^-1(1, 1); KL weight 1 / N; dense covariance
+    assert isinstance(head, vbll.Regression)
+    assert head.prior_scale == pytest.approx(1.0 / 6)
+    assert head.regularization_weight == pytest.approx(1.0 / 40)
+    assert head.wishart_scale == 1.0 and head.dof == pytest.approx((1.0 + 1 + 1) / 2)
+    assert hasattr(head, "W_offdiag")
+    # our prior convention: prior_scale = prior variance per weight = package's / width
+    other = vu.make_model("vbll_package", 3, 40, width=6, prior_scale=0.5)[1]
+    assert other.prior_scale == pytest.approx(0.5)
+    torch.manual_seed(5)
+    x, y = torch.randn(2, 7, 3), torch.randn(2, 7, 1)
+    own = [m[1](m[0](x[k])).train_loss_fn(y[k]) for k, m in enumerate(models)]
+    for k, m in enumerate(models):
+        assert torch.equal(vu.training_loss(m, x[k], y[k]), own[k])
+        nll = -m[1](m[0](x[k])).predictive.log_prob(y[k]).sum(-1).mean()
+        assert vu.predictive_nll(m, x[k], y[k]) == pytest.approx(float(nll.detach()), rel=1e-6)
+    # the stacked (vmap) path evaluates the same loss per model
+    objectives = [_Objective(m, vu.training_loss) for m in models]
+    params, buffers = torch.func.stack_module_state(objectives)
+
+    def one(p, b, xb, yb):
+        return torch.func.functional_call(objectives[0], (p, b), (xb, yb))
+
+    stacked = torch.vmap(one)(params, buffers, x, y)
+    torch.testing.assert_close(stacked, torch.stack(own).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_trainer_runs_the_package_layer_like_plain_loops() -> None:
+    """The package layer's noise mean is a frozen parameter (``requires_grad=False``): the
+    stacked trainer leaves it alone as a plain loop does (main failed on its None gradient)."""
+    pytest.importorskip("vbll")
+    seeds = [3, 4]
+    parts = [gs.data.load("yacht", seed=s, max_train=48) for s in seeds]
+    x = torch.stack([p.x_train for p in parts])
+    y = torch.stack([p.y_train for p in parts])
+    models = _package_models(seeds, x.shape[-1], x.shape[1], width=8)
+    for m in models:
+        m[1].noise_mean.data.fill_(0.25)  # AdamW's weight decay would move it if stepped
+    plain = copy.deepcopy(models)
+    run = vu.train_stacked(models, x, y, epochs=3, batch_size=16, seeds=seeds)
+    for k, (model, s) in enumerate(zip(plain, seeds, strict=True)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        gen = torch.Generator().manual_seed(s)
+        for _ in range(3):
+            for idx in torch.randperm(x.shape[1], generator=gen).split(16):
+                opt.zero_grad()
+                model[1](model[0](x[k, idx])).train_loss_fn(y[k, idx]).backward()
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+        assert torch.equal(run.states[k]["1.noise_mean"], torch.full((1,), 0.25))
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(run.states[k][name], value, atol=1e-5, rtol=1e-4)
+
+
+def test_prior_scale_reaches_both_vbll_heads() -> None:
+    """``run(prior_scale=v)``: prior variance ``v`` per last-layer weight in our head and in
+    the package's (which receives ``width * v``, then scales it by ``1 / width``)."""
+    pytest.importorskip("vbll")
+    res = vu.run(
+        ["yacht"], seeds=[0], max_epochs=2, eval_every=1, max_train=32, targets="centered",
+        methods=["vbll", "vbll_package"], prior_scale=1.0, keep_models=True,
+    )  # fmt: skip
+    assert res.config["prior_scale"] == 1.0
+    assert res.models[("yacht", 0, "vbll_package")][1].prior_scale == pytest.approx(1.0)
+    assert res.models[("yacht", 0, "vbll")][1].prior_scale == pytest.approx(1.0)
+    default = vu.run(
+        ["yacht"],
+        seeds=[0],
+        max_epochs=2,
+        eval_every=1,
+        max_train=32,
+        methods=["vbll"],
+        keep_models=True,
+    )
+    assert default.models[("yacht", 0, "vbll")][1].prior_scale == pytest.approx(1.0 / 50)
+    with pytest.raises(ValueError, match="prior_scale: expected a positive finite number"):
+        vu.run(["yacht"], seeds=[0], prior_scale=-1.0)
+
+
+def test_vbll_package_missing_is_a_clear_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vbll", None)
+    with pytest.raises(ImportError, match="method 'vbll_package' needs the optional vbll"):
+        vu.make_model("vbll_package", 3, 10)
+    with pytest.raises(ImportError, match="method 'vbll_package' needs the optional vbll"):
+        vu.run(["yacht"], seeds=[0], methods=["vbll_package"])
 
 
 def test_selected_epoch_is_validation_argmin(uci: vu.VBLLUCIResults) -> None:
@@ -152,7 +257,8 @@ def test_reported_nll_is_recomputed_predictive(uci: vu.VBLLUCIResults) -> None:
 
 
 def test_uci_summary_and_paper(uci: vu.VBLLUCIResults) -> None:
-    assert {r["method"] for r in uci.rows} == set(vu.METHODS)
+    # the default run: every method but the opt-in vbll_package
+    assert {r["method"] for r in uci.rows} == set(vu.METHODS) - set(vu.OPTIONAL)
     for row in uci.rows:
         vals = [
             r["test_nll"]

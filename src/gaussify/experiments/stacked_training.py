@@ -114,14 +114,18 @@ def train_stacked(
     start = time.perf_counter()
     objectives = [_Objective(m, loss) for m in models]
     params, buffers = stack_module_state(objectives)
-    params = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    # frozen parameters (``requires_grad=False``, e.g. a fixed noise mean) stay frozen, as in
+    # a plain loop: no gradient, no AdamW step (weight decay included), not in the clip norm
+    trainable = {k for k, v in objectives[0].named_parameters() if v.requires_grad}
+    params = {k: v.detach().clone().requires_grad_(k in trainable) for k, v in params.items()}
     template = objectives[0]
 
     def one(p: dict[str, Tensor], b: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
         return functional_call(template, (p, b), (xb, yb))
 
     batched = vmap(one, in_dims=(0, 0, 0, 0))
-    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=weight_decay)
+    learned = [v for k, v in params.items() if k in trainable]
+    opt = torch.optim.AdamW(learned, lr=lr, weight_decay=weight_decay)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
     rows = torch.arange(num).unsqueeze(1)
     n = x.shape[1]
@@ -148,7 +152,8 @@ def train_stacked(
             losses = batched(params, buffers, x[rows, idx], y[rows, idx])
             losses.sum().backward()
             if max_grad_norm is not None:
-                _per_model_clip([p.grad for p in params.values()], max_norm=max_grad_norm)
+                grads = [p.grad for p in learned if p.grad is not None]
+                _per_model_clip(grads, max_norm=max_grad_norm)
             opt.step()
         if not torch.isfinite(losses.detach()).all():
             bad = [int(seeds[s]) for s in torch.nonzero(~torch.isfinite(losses)).flatten()]

@@ -30,6 +30,13 @@ Methods (all single-pass, same network, same protocol):
   marginal likelihood per example, jointly in the features, the prior precision and the
   noise; validation NLL and test predictive from the exact posterior of the training part
   (train + validation for the final model) at the selected epoch.
+* ``vbll_package`` (opt-in, needs the optional ``vbll`` package): the authors' own layer,
+  ``vbll.Regression(50, 1, 1/N, parameterization, prior_scale=1, wishart_scale=1, dof=1)``
+  (App. G.2: ``N(0, I)`` mean prior -- the package scales it by ``1 / width`` itself, the same
+  prior as ``vbll`` --, ``W^-1(1, 1)`` noise prior, KL weight ``1/N``) on the same body,
+  trained by the package's own ``train_loss_fn`` and validated by its ``val_loss_fn``, in the
+  same stacked path, data, batches and epoch selection as ``vbll`` (its frozen noise mean
+  stays frozen there). It runs the paper's protocol with the paper's code for the head.
 
 Targets. The library standardises regression targets with the training mean and standard
 deviation (``targets="standardized"``, the default here). The paper only centres them ("we did
@@ -84,11 +91,14 @@ __all__ = [
     "DATASETS",
     "MAX_EPOCHS",
     "METHODS",
+    "OPTIONAL",
     "PAPER_TABLE2",
     "MAPRegressor",
     "VBLLUCIResults",
     "main",
     "make_model",
+    "make_package_head",
+    "package_regression_class",
     "run",
     "select_epoch",
     "train_stacked",
@@ -99,11 +109,22 @@ __all__ = [
 #: not in Table 2).
 DATASETS: tuple[str, ...] = ("boston", "concrete", "wine_red", "yacht", "power", "protein")
 QUICK_DATASETS: tuple[str, ...] = ("yacht",)
-METHODS: tuple[str, ...] = ("vbll", "map", "laplace", "laplace_map_noise", "gbll")
-#: the methods that train a network (``laplace*`` are fitted to the ``map`` network)
+METHODS: tuple[str, ...] = (
+    "vbll",
+    "vbll_package",
+    "map",
+    "laplace",
+    "laplace_map_noise",
+    "gbll",
+)
+#: the methods that train a network by default (``laplace*`` are fitted to the ``map``
+#: network)
 TRAINED: tuple[str, ...] = ("vbll", "map", "gbll")
+#: trained methods run only when asked for (``vbll_package`` needs the optional ``vbll``)
+OPTIONAL: tuple[str, ...] = ("vbll_package",)
 METHOD_LABELS: dict[str, str] = {
     "vbll": "VBLL",
+    "vbll_package": "VBLL (vbll package)",
     "map": "MAP",
     "laplace": "LL Laplace",
     "laplace_map_noise": "LL Laplace (MAP noise)",
@@ -145,6 +166,7 @@ PAPER_TABLE2: dict[str, dict[str, dict[str, tuple[float, float]]]] = {
 #: network with learned noise) has no row of its own, so it is shown beside the same row.
 PAPER_ROW: dict[str, str] = {
     "vbll": "VBLL",
+    "vbll_package": "VBLL",
     "map": "MAP",
     "laplace": "MAP",
     "laplace_map_noise": "MAP",
@@ -191,8 +213,47 @@ class MAPRegressor(nn.Module):
         )
 
 
+def package_regression_class() -> type[nn.Module]:
+    """``vbll.Regression``, the vbll package's regression layer (an optional dependency)."""
+    try:
+        from vbll import Regression
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "method 'vbll_package' needs the optional vbll package (the authors' reference "
+            "implementation): pip install vbll"
+        ) from err
+    return Regression
+
+
+def make_package_head(
+    width: int,
+    num_train: int,
+    *,
+    prior_scale: float | None = None,
+    wishart_scale: float = 1.0,
+    dof: float = 1.0,
+    parameterization: str = "dense",
+) -> nn.Module:
+    """``vbll.Regression(width, 1, 1/num_train, ...)`` with the priors given in this
+    library's convention: ``prior_scale`` is the prior variance of each last-layer weight
+    (None: ``1 / width``, the head's default); the package multiplies its own
+    ``prior_scale`` by ``1 / width``, so it receives ``width * prior_scale`` (1 by default, the
+    paper's ``N(0, I)``). ``wishart_scale`` and ``dof`` mean the same in both."""
+    regression = package_regression_class()
+    scale = 1.0 if prior_scale is None else float(prior_scale) * width
+    return regression(
+        width,
+        1,
+        1.0 / num_train,
+        parameterization=parameterization,
+        prior_scale=scale,
+        wishart_scale=wishart_scale,
+        dof=dof,
+    )
+
+
 def make_model(
-    method: Literal["vbll", "map", "gbll"],
+    method: Literal["vbll", "vbll_package", "map", "gbll"],
     d_in: int,
     num_train: int,
     width: int = 50,
@@ -200,17 +261,21 @@ def make_model(
     **head_kwargs: Any,
 ) -> nn.Module:
     """A fresh network for ``method``: ``Sequential(body, VBLLRegression)`` (KL weight
-    ``1/num_train``, paper priors unless ``head_kwargs`` say otherwise), a
-    :class:`MAPRegressor` or ``Sequential(body, GBLLRegression)``."""
+    ``1/num_train``, paper priors unless ``head_kwargs`` say otherwise),
+    ``Sequential(body, vbll.Regression)`` (:func:`make_package_head`, same priors), a
+    :class:`MAPRegressor` or ``Sequential(body, GBLLRegression)``. The body is built first,
+    so the same seed gives every method the same initial features."""
     body = make_body(d_in, width, depth)
     if method == "vbll":
         kwargs = {"prior_scale": None, "wishart_scale": 1.0, "dof": 1.0, **head_kwargs}
         return nn.Sequential(body, VBLLRegression(width, 1, 1.0 / num_train, **kwargs))
+    if method == "vbll_package":
+        return nn.Sequential(body, make_package_head(width, num_train, **head_kwargs))
     if method == "map":
         return MAPRegressor(body, width)
     if method == "gbll":
         return nn.Sequential(body, GBLLRegression(width, 1, **head_kwargs))
-    raise ValueError(f"method: expected 'vbll', 'map' or 'gbll', got {method!r}")
+    raise ValueError(f"method: expected 'vbll', 'vbll_package', 'map' or 'gbll', got {method!r}")
 
 
 def vbll_loss(head: VBLLHead, phi: Tensor, y: Tensor) -> Tensor:
@@ -230,7 +295,10 @@ def training_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     if isinstance(head, GBLLRegression):  # exact evidence of the batch, unchecked (vmap)
         ev = gbll_evidence(body(x), y, head.prior_precision, head.noise_var)
         return -ev.log_evidence.sum() / x.shape[0]
-    return vbll_loss(head, body(x), y)
+    if isinstance(head, VBLLHead):
+        return vbll_loss(head, body(x), y)
+    # the vbll package's layer: its own negative ELBO per example
+    return head(body(x)).train_loss_fn(y)
 
 
 @torch.no_grad()
@@ -239,6 +307,8 @@ def predictive_nll(model: nn.Module, x: Tensor, y: Tensor) -> float:
     validation and test NLL), in the units of ``y``."""
     if isinstance(model, MAPRegressor):
         return float(-model.log_prob(x, y).mean())
+    if not isinstance(model[1], VBLLHead | GBLLRegression):  # the vbll package's layer
+        return float(model(x).val_loss_fn(y))
     return float(model(x).val_loss(y))
 
 
@@ -397,7 +467,7 @@ def _run_dataset(
         out = []
         for s in cfg.seeds:
             torch.manual_seed(s)
-            kwargs = head_kwargs if method == "vbll" else {}
+            kwargs = head_kwargs if method in ("vbll", "vbll_package") else {}
             out.append(make_model(method, d_in, num_data, cfg.width, cfg.depth, **kwargs))  # type: ignore[arg-type]
         return out
 
@@ -464,7 +534,11 @@ def _run_dataset(
             with torch.no_grad():
                 if method == "gbll":
                     model[1].fit_posterior(model[0](x_full[k]), y_full[k])
-                if method in ("vbll", "gbll"):
+                if method == "vbll_package":
+                    pred = model(sp["x_test"]).predictive
+                    mean, var = pred.mean, pred.variance
+                    extra = {"noise_var": float(torch.exp(2.0 * model[1].noise_logdiag[0]))}
+                elif method in ("vbll", "gbll"):
                     pred = model(sp["x_test"]).predictive
                     mean, var = pred.mean, pred.var
                     extra = {"noise_var": float(model[1].noise_cov.variance[0])}
@@ -528,7 +602,7 @@ def run(
     max_epochs: int | dict[str, int] | None = None, patience: int | None = None,
     eval_every: int = 10, max_train: int | dict[str, int] | None = None,
     keep_models: bool = False, num_threads: int | None = 1, parameterization: str = "dense",
-    methods: Sequence[str] | None = None,
+    methods: Sequence[str] | None = None, prior_scale: float | None = None,
 ) -> VBLLUCIResults:  # fmt: skip
     """Run the Table 2 protocol (App. G.2) and return the results.
 
@@ -542,7 +616,11 @@ def run(
     large sets). ``quick=True``: yacht, 2
     seeds, 40 epochs, patience 2 (for tests). ``num_threads``: torch intra-op threads during
     the run (restored after). ``methods``: the trained methods to run (default all of
-    :data:`TRAINED`; ``laplace*`` come with ``map``). Deterministic given these arguments.
+    :data:`TRAINED`; ``laplace*`` come with ``map``; ``"vbll_package"`` of :data:`OPTIONAL`
+    only when named). ``prior_scale``: the prior variance of each last-layer weight of the
+    ``vbll`` and ``vbll_package`` heads (default None: ``1 / width``, the paper's ``N(0, I)`` at
+    the package's ``prior_scale=1``; 1.0 is the literal ``N(0, I)``). Deterministic given these
+    arguments.
     """
     start = time.perf_counter()
     chosen = choose_datasets(None, DATASETS, QUICK_DATASETS, quick=quick)
@@ -554,9 +632,16 @@ def run(
             raise ValueError(f"datasets: not shipped UCI regression sets: {unknown}")
     seed_ids = seed_list(seeds, 2, quick=quick, name="seeds")
     chosen_methods = list(TRAINED) if methods is None else list(methods)
-    bad = [m for m in chosen_methods if m not in TRAINED]
+    allowed = list(TRAINED + OPTIONAL)
+    bad = [m for m in chosen_methods if m not in allowed]
     if bad or not chosen_methods:
-        raise ValueError(f"methods: expected some of {list(TRAINED)}, got {list(chosen_methods)}")
+        raise ValueError(f"methods: expected some of {allowed}, got {list(chosen_methods)}")
+    if "vbll_package" in chosen_methods:
+        package_regression_class()  # a clear ImportError before any work
+    if prior_scale is not None and not (math.isfinite(prior_scale) and prior_scale > 0):
+        raise ValueError(
+            f"prior_scale: expected a positive finite number or None, got {prior_scale}"
+        )
     if targets not in ("standardized", "centered"):
         raise ValueError(f"targets: expected 'standardized' or 'centered', got {targets!r}")
     if quick:
@@ -581,6 +666,7 @@ def run(
         },
         parameterization=parameterization,
         methods=chosen_methods,
+        prior_scale=prior_scale,
     )
     bar = None
     if progress:
@@ -630,7 +716,15 @@ def main(argv: list[str] | None = None) -> int:
         ("--max-epochs", dict(type=positive_int, default=None, help="default: Table 5")),
         ("--patience", dict(type=positive_int, default=None, help="validation checks")),
         ("--max-train", dict(type=positive_int, default=None, help="subsample training rows")),
-        ("--methods", dict(nargs="+", choices=TRAINED, default=None, help="default: all")),
+        (
+            "--methods",
+            dict(
+                nargs="+",
+                choices=TRAINED + OPTIONAL,
+                default=None,
+                help="default: " + " ".join(TRAINED),
+            ),
+        ),
     ]
     description = (
         "Harrison et al. (2024) Table 2: UCI regression with VBLL, MAP, last-layer Laplace and "

@@ -25,32 +25,13 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from gaussify.curvature.batched_backward import ChainPass
+from gaussify.curvature.batched_backward import _ELEMENTWISE, ChainPass
 
 __all__ = ["pooled_pays", "pooled_peak", "pooled_squared_grads", "pooling_after"]
 
 #: shape-preserving element-wise maps allowed between the convolution and the pooling (a zero
 #: gradient stays zero through them)
-_POINTWISE = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.ELU,
-    nn.SELU,
-    nn.CELU,
-    nn.GELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Softplus,
-    nn.Hardtanh,
-    nn.Hardswish,
-    nn.Identity,
-    nn.Dropout,
-    nn.Dropout2d,
-    nn.BatchNorm2d,
-)
+_POINTWISE = (*_ELEMENTWISE, nn.Identity, nn.Dropout, nn.Dropout2d, nn.BatchNorm2d)
 
 #: the dense products' multiply-adds must exceed the pooled ones' this many times (the
 #: gathers and small batched products cost more per multiply-add)

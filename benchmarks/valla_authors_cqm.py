@@ -175,15 +175,7 @@ def authors_scores(
         d = learning.score(
             _Fixed(mean, var.reshape(shape)), loader, regression, dtype=torch.float64
         )
-        published, corrected = authors_cqm(d)
-        out[label] = {
-            "nll": d["NLL"],
-            "crps": d["CRPS"],
-            "rmse": float(d["RMSE"]),
-            "cqm_published": published,
-            "cqm": corrected,
-            "coverage": [d[f"Q-{10 * k}"] for k in range(1, 10)],
-        }
+        out[label] = _their_scores(d)
     return out
 
 
@@ -197,6 +189,12 @@ def own_pipeline_scores(
     d = mods["utils.pytorch_learning"].score(
         valla, loader, mods["utils.metrics"].Regression, dtype=torch.float64
     )
+    return _their_scores(d)
+
+
+def _their_scores(d: dict[str, Any]) -> dict[str, Any]:
+    """The metrics this benchmark keeps from the dict their ``score`` returns: NLL, CRPS,
+    RMSE, their CQM as published and corrected (:func:`authors_cqm`), the coverages."""
     published, corrected = authors_cqm(d)
     return {
         "nll": d["NLL"],

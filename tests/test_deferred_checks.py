@@ -61,6 +61,18 @@ def _syncs(fn) -> int:  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------------- the sync count
 
 
+def _fit_syncs_over_2_and_8_batches(model_name: str, fit) -> list[int]:  # type: ignore[no-untyped-def]
+    """The host reads of ``fit(model, x, y)`` (batches of 4) on 8 and on 32 rows."""
+    c = 4 if model_name == "mlp" else 3
+    build = _mlp if model_name == "mlp" else _cnn
+    counts = []
+    for batches in (2, 8):
+        model = build(c)
+        x, y = _data(model_name, 4 * batches, c)
+        counts.append(_syncs(lambda: fit(model, x, y)))  # noqa: B023
+    return counts
+
+
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
 @pytest.mark.parametrize("structure", ["diag", "kron"])
 @pytest.mark.parametrize("ef", [False, True])
@@ -70,15 +82,12 @@ def test_curvature_fit_host_syncs_do_not_grow_with_the_batches(
     """A fit of 2 and of 8 batches reads the device the same number of times (one test of
     all the batches' checks at the end), where the per-batch checks read it several times per
     batch (the outputs' and labels' checks, the diagonal's finiteness and overflow tests)."""
-    c = 4 if model_name == "mlp" else 3
-    build = _mlp if model_name == "mlp" else _cnn
-    counts = []
-    for batches in (2, 8):
-        model = build(c)
-        x, y = _data(model_name, 4 * batches, c)
+
+    def fit(model: nn.Module, x: Tensor, y: Tensor) -> None:
         loader = DataLoader(TensorDataset(x, y), batch_size=4)
-        curv = make_curvature(structure, model, "classification", ef=ef)
-        counts.append(_syncs(lambda: fit_curvature(curv, model, loader)))  # noqa: B023
+        fit_curvature(make_curvature(structure, model, "classification", ef=ef), model, loader)
+
+    counts = _fit_syncs_over_2_and_8_batches(model_name, fit)
     assert counts[0] == counts[1], counts
 
 
@@ -90,16 +99,14 @@ def test_monte_carlo_fit_host_syncs_do_not_grow_with_the_batches(
     """The Monte Carlo GGN's sampled labels read nothing per batch: the outputs' finiteness
     is a deferred check and the categorical draw (the exponential race, torch.multinomial's
     own) has no validity read (main read the device once per batch there)."""
-    c = 4 if model_name == "mlp" else 3
-    build = _mlp if model_name == "mlp" else _cnn
-    counts = []
-    for batches in (2, 8):
-        model = build(c)
-        x, y = _data(model_name, 4 * batches, c)
+
+    def fit(model: nn.Module, x: Tensor, y: Tensor) -> None:
         curv = make_curvature(
             structure, model, "classification", mc_samples=1, generator=torch.Generator()
         )
-        counts.append(_syncs(lambda: fit_curvature(curv, model, (x, y), 4)))  # noqa: B023
+        fit_curvature(curv, model, (x, y), 4)
+
+    counts = _fit_syncs_over_2_and_8_batches(model_name, fit)
     assert counts[0] == counts[1], counts
 
 

@@ -304,7 +304,11 @@ def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Ten
 
 
 def backward_chunk(
-    run: ChainPass, u: Tensor | SqrtFactor, wanted: list[int], rows: slice
+    run: ChainPass,
+    u: Tensor | SqrtFactor,
+    wanted: list[int],
+    rows: slice,
+    stop: int | None = None,
 ) -> Iterator[tuple[int, Tensor | SqrtFactor]]:
     """(i, delta_i (B, K, *out_i)) for the module positions ``wanted``, from the last to the
     first, for the output vectors ``u`` (B, K, C) of the samples ``rows``; each delta is the
@@ -312,12 +316,19 @@ def backward_chunk(
     wanted module (nothing below it is propagated); one K-batched product per module. A
     structured ``u`` (:class:`gaussify.curvature.sqrt_factor.SqrtFactor`, for a chain whose
     last module is an ``nn.Linear``: :func:`structured_chain`) is yielded as itself at that
-    module and its product with the weight formed in O(B K d)."""
+    module and its product with the weight formed in O(B K d). ``stop``: the position of a
+    max-pooling above the first wanted module, reached from it through element-wise maps
+    only (:func:`gaussify.curvature.pooled_conv.pooling_after`), where the pass stops: the
+    first wanted module is yielded with the gradient of the pooling's output instead of its
+    own (:func:`gaussify.curvature.pooled_conv.maxima_gradient` takes it from there)."""
     first = min(wanted)
     targets = set(wanted)
     g = u if isinstance(u, SqrtFactor) else u.detach()
     owned = False  # g is the caller's u until the first product replaces it
     for i in range(len(run.chain) - 1, first - 1, -1):
+        if i == stop:
+            yield first, g
+            return
         if i in targets:
             yield i, g
         if i > first:

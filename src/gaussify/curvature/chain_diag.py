@@ -32,10 +32,13 @@ from gaussify.curvature.batched_backward import (
 )
 from gaussify.curvature.patches import conv2d_patches
 from gaussify.curvature.pooled_conv import (
+    maxima_gradient,
+    maxima_peak,
     pooled_pays,
     pooled_peak,
     pooled_squared_grads,
     pooling_after,
+    squares_at_maxima,
 )
 from gaussify.curvature.sqrt_factor import SqrtFactor
 from gaussify.likelihoods import all_finite
@@ -380,6 +383,7 @@ def _accumulate_squares(
         targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
     linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
     pooled: dict[int, int] | None = None  # the convolutions reduced from the pooling's maxima
+    stop: int | None = None  # the pooling where the passes stop (:func:`_stop_at_pooling`)
     last = len(run.chain) - 1
     once = structured is not None and last in linear
     if once:  # the chunks' passes below skip it (they start at the product with W)
@@ -400,11 +404,15 @@ def _accumulate_squares(
             whole = whole.to(f.dtype)
         step = cols or whole.shape[1]
         if pooled is None:
-            pooled = _pooled_convs(run, wanted, min(step, whole.shape[1]), structured)
+            cols_now = min(step, whole.shape[1])
+            stop = _stop_at_pooling(run, wanted, cols_now, structured)
+            pooled = _pooled_convs(run, wanted, cols_now, structured, skip=min(wanted), now=stop)
         for c0 in range(0, whole.shape[1], step):
             ut = whole if step >= whole.shape[1] else _columns(whole, c0, c0 + step)
             first = c0 == 0
-            _reduce_chunk(run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled)
+            _reduce_chunk(
+                run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled, stop
+            )
             del ut  # the chunk's K-fold tensors, before the per-batch reductions
         del whole
     if atomic:
@@ -414,19 +422,45 @@ def _accumulate_squares(
         _add_linear_squares(targets[i], sq, run.acts[i])
 
 
-def _pooled_convs(
+def _stop_at_pooling(
     run: ChainPass, wanted: dict[int, str], k: int, structured: SqrtFactor | None
+) -> int | None:
+    """The position of the max-pooling where the backward passes stop, if the first wanted
+    module is a convolution whose output reaches one through element-wise maps
+    (:func:`gaussify.curvature.pooled_conv.pooling_after`) and the reduction at its maxima
+    holds no more per sample than the chain's backward pass at K vectors (what the memory
+    rule sized the chunks by); else None. Its squares then come from the maxima
+    (:func:`gaussify.curvature.pooled_conv.maxima_gradient`): no dense K-fold gradient of
+    the convolution's output, at most the dense products' count of multiply-adds."""
+    i = min(wanted)
+    j = pooling_after(run, i)
+    if j is None:
+        return None
+    peak = backward_peak(run, k, set(wanted), structured is not None)
+    return j if maxima_peak(run, i, j, k) <= peak else None
+
+
+def _pooled_convs(
+    run: ChainPass,
+    wanted: dict[int, str],
+    k: int,
+    structured: SqrtFactor | None,
+    skip: int | None = None,
+    now: int | None = None,
 ) -> dict[int, int]:
     """{convolution position: max-pooling position} for the wanted convolutions whose squared
     sums come from the pooling's maxima (:mod:`gaussify.curvature.pooled_conv`) with K > 1
     vectors per pass: where the product count pays and the memory is within the chain's
     per-sample peak at K vectors (what the memory rule sized the chunks by), so the pass's
-    peak does not grow."""
+    peak does not grow. The convolution at ``skip`` is left out where the passes stop at
+    its pooling (``now`` not None, :func:`_stop_at_pooling`)."""
     out: dict[int, int] = {}
     if k < 2:
         return out
     peak = None
     for i in wanted:
+        if i == skip and now is not None:
+            continue
         j = pooling_after(run, i)
         if j is None or not pooled_pays(run, i, j, k):
             continue
@@ -517,14 +551,19 @@ def _reduce_chunk(
     buffered: bool,
     first: bool = True,
     pooled: dict[int, int] | None = None,
+    stop: int | None = None,
 ) -> None:
     """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
     ``squares``, written by the ``first`` group of vectors and added to by the others).
     ``pooled``: convolution position -> position of the max-pooling whose maxima give its
-    squared sums (:func:`_pooled_convs`)."""
-    for i, d in backward_chunk(run, ut, list(wanted), rows):
+    squared sums (:func:`_pooled_convs`); ``stop``: the max-pooling where the pass stops, the
+    first wanted convolution's squares taken from its maxima (:func:`_stop_at_pooling`)."""
+    for i, d in backward_chunk(run, ut, list(wanted), rows, stop):
         if isinstance(d, SqrtFactor):  # the final linear layer: summed once per batch
+            continue
+        if stop is not None and i == min(wanted):
+            _add_maxima_squares(run, i, stop, d, rows, targets[i])
             continue
         if i in linear:
             if buffered and first and d.shape[1] == 1:  # one vector: its square, one product
@@ -553,6 +592,27 @@ def _reduce_chunk(
             b = views["bias"]
             per = d.sum((-2, -1))
             b.add_((per * per).sum((0, 1)).to(b.dtype))
+
+
+def _add_maxima_squares(
+    run: ChainPass, i: int, j: int, g: Tensor, rows: slice, views: dict[str, Tensor]
+) -> None:
+    """Add the squared sums of the convolution at i from the gradient g (B, K, O, H', W') of
+    the max-pooling's output at j (:func:`gaussify.curvature.pooled_conv.maxima_gradient`):
+    the weight's from the gathered patches (:func:`gaussify.curvature.pooled_conv.
+    squares_at_maxima`), the bias's from the sums of the gradients at the maxima."""
+    module = run.chain[i][1]
+    assert isinstance(module, nn.Conv2d)
+    h = maxima_gradient(run, i, j, g, rows)  # (B, K, O, W)
+    if "weight" in views:
+        w = views["weight"]
+        patches = conv2d_patches(module, run.acts[i][rows])
+        sums = squares_at_maxima(patches, h, run.indices[j][rows].flatten(-2))
+        w.view(module.out_channels, -1).add_(sums.to(w.dtype))
+    if "bias" in views:
+        b = views["bias"]
+        per = h.sum(-1)
+        b.add_((per * per).sum((0, 1)).to(b.dtype))
 
 
 def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:

@@ -14,6 +14,8 @@ from gaussify.curvature.batched_backward import backward_chunk, chain_forward, m
 from gaussify.curvature.fitting import fit_curvature
 from gaussify.curvature.patches import conv2d_patches
 from gaussify.curvature.pooled_conv import (
+    gathered_patches,
+    gradient_at_maxima,
     maxima_gradient,
     pooled_squared_grads,
     pooling_after,
@@ -164,9 +166,13 @@ def test_squares_from_the_pooling_output_gradient_equal_the_dense_products(
     dense = chain_diag._conv_squared_grads(chain[0][1], patches, d)
     h = maxima_gradient(run, 0, j, g, rows)
     flat = run.indices[j][rows].flatten(-2)
-    torch.testing.assert_close(squares_at_maxima(patches, h, flat), dense, rtol=1e-12, atol=1e-300)
+    gathered = gathered_patches(patches, flat)
+    torch.testing.assert_close(squares_at_maxima(gathered, h), dense, rtol=1e-12, atol=1e-300)
     bias = d.sum((-2, -1)).square().sum((0, 1))
     torch.testing.assert_close(h.sum(-1).square().sum((0, 1)), bias, rtol=1e-12, atol=1e-300)
+    # one vector's summed (not squared) weight gradient, the folded residual's
+    summed = torch.einsum("bot,bft->of", d[:, -1].flatten(-2), patches)
+    torch.testing.assert_close(gradient_at_maxima(gathered, h[:, -1]), summed, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from gaussify.curvature import generic_jacobian as gj
 from gaussify.curvature.batched_backward import linear_chain
+from gaussify.curvature.chain_diag import GradientSink
 from gaussify.curvature.generic_jacobian import SubsetLike, check_eval_mode, resolve_subset
 from gaussify.curvature.lastlayer import (
     OutputLinear,
@@ -427,6 +428,9 @@ class GaussNewtonCurvature:
         #: keep ``last_outputs`` at all (``Laplace.fit`` asks for them; a bare curvature fit
         #: does not, so it holds no batch-sized tensors between updates)
         self.keep_outputs = False
+        #: J^T r wanted with the next ``update`` (``Laplace.fit`` sets it per batch; the
+        #: diagonal's batched route adds it in its own passes and sets ``added``)
+        self.gradient_sink: GradientSink | None = None
         #: the batched route's chunk plans by shapes and settings, computed once per fit
         #: (:func:`gaussify.curvature.chain_diag.chain_squared_sums`)
         self._plans: dict[Any, Any] = {}
@@ -658,6 +662,7 @@ class GaussNewtonCurvature:
             # K = 1 (EF) or S (Monte Carlo) for sure; a likelihood's Lambda^1/2 may be C x K
             num_vectors=self._num_factors if self.ef or self.mc_samples else None,
             plans=self._plans,
+            gradient=self.gradient_sink if offset is None else None,
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:

@@ -14,6 +14,7 @@ chain of linear layers the batch's sums can be deferred and checked before they 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from gaussify.curvature.batched_backward import (
 )
 from gaussify.curvature.patches import conv2d_patches
 from gaussify.curvature.pooled_conv import (
+    gathered_patches,
+    gradient_at_maxima,
     maxima_gradient,
     maxima_peak,
     pooled_pays,
@@ -41,9 +44,26 @@ from gaussify.curvature.pooled_conv import (
     squares_at_maxima,
 )
 from gaussify.curvature.sqrt_factor import SqrtFactor
+from gaussify.deferred_checks import check_finite
 from gaussify.likelihoods import all_finite
 
-__all__ = ["chain_squared_sums"]
+__all__ = ["GradientSink", "chain_squared_sums"]
+
+
+@dataclass
+class GradientSink:
+    """J^T r of the chain's parameters, sum_n J_n^T r_n for the residuals ``residual(f)``
+    (N, C), added into ``view(parameter name)`` by :func:`chain_squared_sums` in the backward
+    passes of the squares, as one more vector (where all K go in one pass, K >= 2 and no
+    convolution is grouped; ``added`` tells the caller that it was, else it forms J^T r
+    itself): the gradient of the log-likelihood a Laplace fit needs, without a forward and
+    backward pass of its own. ``out``: the flat gradient (P,) in the parameters' order;
+    ``view`` is set by :func:`gaussify.curvature.per_sample.squared_vjp_sum` from it."""
+
+    residual: Callable[[Tensor], Tensor]
+    out: Tensor
+    view: Callable[[str], Tensor] | None = None
+    added: bool = False
 
 
 def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
@@ -109,6 +129,7 @@ def chain_squared_sums(
     checked: bool = True,
     num_vectors: Callable[[int], int] | None = None,
     plans: dict[Any, Any] | None = None,
+    gradient: GradientSink | None = None,
 ) -> Tensor | None:
     """sum_n sum_k (per-sample gradient of u_{n,k}^T f_n)^2 of the parameters of the plain
     linear / convolution modules ``layers`` (module name -> ["weight"] / ["bias"] / both),
@@ -136,7 +157,8 @@ def chain_squared_sums(
     ``atomic`` the deferred additions are made without the finiteness and overflow tests (no
     host sync) and never summed apart first. ``num_vectors(C)``, if given, is K (else the
     vectors of one sample are formed to read it). ``plans``: a table the caller keeps
-    across batches (a fit's), where the chunk plan of each setting is computed once."""
+    across batches (a fit's), where the chunk plan of each setting is computed once.
+    ``gradient``: J^T r added in the same passes where it can be (:class:`GradientSink`)."""
     chain = module_chain(model)
     if chain is None or not layers:
         return None
@@ -190,6 +212,14 @@ def chain_squared_sums(
         chunk, cols, buffered, whole_rows, staged = _cached_plan(
             run, model, k, storage, wanted, rowwise, sums, plans=plans, **options
         )
+    fold = gradient is not None and k >= 2 and cols >= k and _ungrouped(run, wanted)
+    if fold and chunk_size is None:  # planned for the K + 1 vectors
+        plan = _cached_plan(
+            run, model, k + 1, storage, wanted, rowwise, sums, plans=plans, **options
+        )
+        fold = plan[1] >= k + 1
+        if fold:
+            chunk, cols, buffered, whole_rows, staged = plan
     if rowwise and (whole_rows or chunk >= n):
         # the vectors of the whole batch fit beside the chunks: form them once
         whole = vectors(slice(0, n))
@@ -197,20 +227,61 @@ def chain_squared_sums(
         def vectors(rows: slice) -> Tensor:
             return whole[rows]
 
+    sink = None
+    if fold:
+        assert gradient is not None and gradient.view is not None
+        residual = gradient.residual(f)
+        if residual.shape != f.shape:
+            raise ValueError(f"residual: expected shape {tuple(f.shape)}, got {residual.shape}")
+        sink = _Sink(residual.to(f.dtype), gradient.view, structured is not None)
+        if structured is None:  # the residual as the last of the chunk's vectors
+            plain = vectors
+
+            def vectors(rows: slice) -> Tensor:
+                u = plain(rows)
+                return torch.cat([u.to(f.dtype), sink.residual[rows].unsqueeze(1)], 1)
+
+        cols = None  # every vector in one pass
     with torch.no_grad():
         if atomic and staged and checked:  # summed apart, added once complete and finite
             views = {name: torch.zeros_like(view(name)) for name in _names(layers)}
             targets = views.__getitem__
             _accumulate_squares(
-                run, vectors, layers, wanted, targets, chunk, buffered, cols, structured=structured
-            )
+                run, vectors, layers, wanted, targets, chunk, buffered, cols, False, structured,
+                sink,
+            )  # fmt: skip
             _add_staged(views, view)
         else:
             checked_adds = atomic and checked  # the buffered sums tested before they are added
             _accumulate_squares(
-                run, vectors, layers, wanted, view, chunk, buffered, cols, checked_adds, structured
+                run, vectors, layers, wanted, view, chunk, buffered, cols, checked_adds, structured,
+                sink,
+            )  # fmt: skip
+    if gradient is not None and sink is not None:
+        for name in _names(layers):
+            check_finite(
+                sink.view(name),
+                f"non-finite gradient of the log-likelihood in parameter {name!r}: the outputs "
+                "or the network's Jacobian are NaN/inf for this batch (check x)",
             )
+        gradient.added = True
     return f
+
+
+@dataclass
+class _Sink:
+    """A pass's :class:`GradientSink`: the batch's residuals r (N, C), the views of the
+    gradient and whether the vectors are a structured factor (r then enters after its
+    product with the final weight, ``backward_chunk``'s ``extra``)."""
+
+    residual: Tensor
+    view: Callable[[str], Tensor]
+    structured: bool
+
+
+def _ungrouped(run: ChainPass, wanted: dict[int, str]) -> bool:
+    """Whether no wanted convolution is grouped (the folded gradient's products assume so)."""
+    return all(getattr(run.chain[i][1], "groups", 1) == 1 for i in wanted)
 
 
 #: a chunk plan of :func:`_cached_plan`
@@ -363,6 +434,7 @@ def _accumulate_squares(
     cols: int | None = None,
     atomic: bool = False,
     structured: SqrtFactor | None = None,
+    sink: _Sink | None = None,
 ) -> None:
     """The chunked backward passes of :func:`chain_squared_sums` and their squared sums, in
     groups of ``cols`` output vectors (all K if None; the sums over K add up over groups).
@@ -373,14 +445,18 @@ def _accumulate_squares(
     A linear layer's sums over K of the squared gradients, s_n = sum_k delta_{k,n}^2, give
     s^T (a^2) for the weight and sum_n s_n for the bias, per chunk, or with ``buffered`` written
     per chunk into an (N, out) buffer and reduced once per batch (two products per chunk
-    instead of eight)."""
+    instead of eight). ``sink``: the last vector of each pass is the residual, whose
+    gradients are summed into the sink's views (not squared)."""
     f = run.output
     n = f.shape[0]
     # module position -> {"weight" / "bias": the view of ``out`` holding it}, once
     targets: dict[int, dict[str, Tensor]] = {}
+    grads: dict[int, dict[str, Tensor]] = {}
     for i, name in wanted.items():
         prefix = f"{name}." if name else ""
         targets[i] = {kind: view(f"{prefix}{kind}") for kind in layers[name]}
+        if sink is not None:
+            grads[i] = {kind: sink.view(f"{prefix}{kind}") for kind in layers[name]}
     linear = {i for i in wanted if type(run.chain[i][1]) is nn.Linear}
     pooled: dict[int, int] | None = None  # the convolutions reduced from the pooling's maxima
     stop: int | None = None  # the pooling where the passes stop (:func:`_stop_at_pooling`)
@@ -397,6 +473,8 @@ def _accumulate_squares(
         else:
             _add_linear_squares(targets[last], final, run.acts[last])
         del final
+        if sink is not None:  # the final layer's gradient from the residuals, once
+            _add_linear_gradient(grads[last], sink.residual, run.acts[last])
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         whole = vectors(rows)
@@ -404,15 +482,17 @@ def _accumulate_squares(
             whole = whole.to(f.dtype)
         step = cols or whole.shape[1]
         if pooled is None:
-            cols_now = min(step, whole.shape[1])
+            cols_now = min(step, whole.shape[1]) + (1 if sink and sink.structured else 0)
             stop = _stop_at_pooling(run, wanted, cols_now, structured)
             pooled = _pooled_convs(run, wanted, cols_now, structured, skip=min(wanted), now=stop)
         for c0 in range(0, whole.shape[1], step):
             ut = whole if step >= whole.shape[1] else _columns(whole, c0, c0 + step)
             first = c0 == 0
+            extra = sink.residual[rows].unsqueeze(1) if sink and sink.structured else None
             _reduce_chunk(
-                run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled, stop
-            )
+                run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled, stop,
+                extra, grads if sink else None,
+            )  # fmt: skip
             del ut  # the chunk's K-fold tensors, before the per-batch reductions
         del whole
     if atomic:
@@ -552,19 +632,29 @@ def _reduce_chunk(
     first: bool = True,
     pooled: dict[int, int] | None = None,
     stop: int | None = None,
+    extra: Tensor | None = None,
+    grads: dict[int, dict[str, Tensor]] | None = None,
 ) -> None:
     """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
     ``squares``, written by the ``first`` group of vectors and added to by the others).
     ``pooled``: convolution position -> position of the max-pooling whose maxima give its
     squared sums (:func:`_pooled_convs`); ``stop``: the max-pooling where the pass stops, the
-    first wanted convolution's squares taken from its maxima (:func:`_stop_at_pooling`)."""
-    for i, d in backward_chunk(run, ut, list(wanted), rows, stop):
+    first wanted convolution's squares taken from its maxima (:func:`_stop_at_pooling`).
+    ``grads``: the last vector is the residual (after a structured ``ut``'s: ``extra``), its
+    gradients summed into these views instead of squared."""
+    for i, d in backward_chunk(run, ut, list(wanted), rows, stop, extra):
         if isinstance(d, SqrtFactor):  # the final linear layer: summed once per batch
             continue
         if stop is not None and i == min(wanted):
-            _add_maxima_squares(run, i, stop, d, rows, targets[i])
+            _add_maxima_squares(run, i, stop, d, rows, targets[i], grads and grads[i])
             continue
+        if grads is not None:  # the residual's gradient, then the K vectors' squares
+            d, r = d[:, :-1], d[:, -1]
+            if i in linear:
+                _add_linear_gradient(grads[i], r, run.acts[i][rows])
+            else:
+                _add_conv_gradient(run.chain[i][1], grads[i], r, run.acts[i][rows])
         if i in linear:
             if buffered and first and d.shape[1] == 1:  # one vector: its square, one product
                 torch.mul(d[:, 0], d[:, 0], out=squares[i][rows])
@@ -595,24 +685,77 @@ def _reduce_chunk(
 
 
 def _add_maxima_squares(
-    run: ChainPass, i: int, j: int, g: Tensor, rows: slice, views: dict[str, Tensor]
+    run: ChainPass,
+    i: int,
+    j: int,
+    g: Tensor,
+    rows: slice,
+    views: dict[str, Tensor],
+    grads: dict[str, Tensor] | None = None,
 ) -> None:
     """Add the squared sums of the convolution at i from the gradient g (B, K, O, H', W') of
     the max-pooling's output at j (:func:`gaussify.curvature.pooled_conv.maxima_gradient`):
     the weight's from the gathered patches (:func:`gaussify.curvature.pooled_conv.
-    squares_at_maxima`), the bias's from the sums of the gradients at the maxima."""
+    squares_at_maxima`), the bias's from the sums of the gradients at the maxima. ``grads``:
+    the last vector is the residual, its summed gradient added there."""
     module = run.chain[i][1]
     assert isinstance(module, nn.Conv2d)
     h = maxima_gradient(run, i, j, g, rows)  # (B, K, O, W)
+    r = None
+    if grads is not None:
+        h, r = h[:, :-1], h[:, -1]
     if "weight" in views:
         w = views["weight"]
         patches = conv2d_patches(module, run.acts[i][rows])
-        sums = squares_at_maxima(patches, h, run.indices[j][rows].flatten(-2))
+        gathered = gathered_patches(patches, run.indices[j][rows].flatten(-2))
+        del patches
+        sums = squares_at_maxima(gathered, h)
         w.view(module.out_channels, -1).add_(sums.to(w.dtype))
+        if grads is not None and r is not None:
+            gw = grads["weight"]
+            gw.view(module.out_channels, -1).add_(gradient_at_maxima(gathered, r).to(gw.dtype))
     if "bias" in views:
         b = views["bias"]
         per = h.sum(-1)
         b.add_((per * per).sum((0, 1)).to(b.dtype))
+        if grads is not None and r is not None:
+            grads["bias"].add_(r.sum((0, 2)).to(grads["bias"].dtype))
+
+
+def _add_linear_gradient(views: dict[str, Tensor], r: Tensor, a: Tensor) -> None:
+    """Add r^T a (the summed weight gradient of the vectors r (B, out) at inputs a (B, in)) to
+    a linear layer's weight view and sum_n r_n to its bias view."""
+    if "weight" in views:
+        w = views["weight"]
+        w.addmm_(r.T.to(w.dtype), a.to(w.dtype))
+    if "bias" in views:
+        views["bias"].add_(r.sum(0).to(views["bias"].dtype))
+
+
+def _add_conv_gradient(conv: nn.Module, views: dict[str, Tensor], r: Tensor, a: Tensor) -> None:
+    """Add the summed weight and bias gradients of the ungrouped convolution ``conv`` for the
+    output gradients r (B, O, H', W') at its input a (B, C_in, H, W): one
+    ``convolution_backward`` over the batch (autograd's own product)."""
+    assert isinstance(conv, nn.Conv2d)
+    if "weight" in views:
+        w = views["weight"]
+        weight = conv.weight.detach().to(r.dtype)
+        grad = torch.ops.aten.convolution_backward(
+            r.contiguous(),
+            a.to(r.dtype),
+            weight,
+            None,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            False,
+            (0, 0),
+            conv.groups,
+            (False, True, False),
+        )[1]
+        w.view_as(grad).add_(grad.to(w.dtype))
+    if "bias" in views:
+        views["bias"].add_(r.sum((0, 2, 3)).to(views["bias"].dtype))
 
 
 def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature import generic_jacobian
-from gaussify.curvature.chain_diag import chain_squared_sums
+from gaussify.curvature.chain_diag import GradientSink, chain_squared_sums
 from gaussify.curvature.generic_jacobian import (
     SubsetLike,
     _check_finite,
@@ -179,6 +179,7 @@ def squared_vjp_sum(
     checked: bool = True,
     num_vectors: Callable[[int], int] | None = None,
     plans: dict[Any, Any] | None = None,
+    gradient: GradientSink | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(sum_n sum_k (J_n^T u_{n,k})^2 elementwise (P,), outputs f (N, C)).
 
@@ -213,6 +214,9 @@ def squared_vjp_sum(
     :func:`gaussify.curvature.diag.check_diagonal`). ``num_vectors(C)``: K for C outputs,
     if the caller knows it (the batched route then forms no vectors to read it);
     ``plans``: the caller's table of the batched route's chunk plans, kept across batches.
+    ``gradient``: J^T r added to its ``out`` in the batched route's passes where it can be
+    (:class:`gaussify.curvature.chain_diag.GradientSink`, ``added`` set then; never on the
+    other routes).
     """
     subset = resolve_subset(model, subset, subnetwork=True)
     check_eval_mode(model)
@@ -235,6 +239,8 @@ def squared_vjp_sum(
     if covered == set(subset.names):
         # the K vectors in one batched backward pass (an nn.Sequential of supported modules)
         views = _param_views(model, subset, out)
+        if gradient is not None:
+            gradient.view = _param_views(model, subset, gradient.out)
         chained = chain_squared_sums(
             model,
             x,
@@ -249,6 +255,7 @@ def squared_vjp_sum(
             checked=checked,
             num_vectors=num_vectors,
             plans=plans,
+            gradient=gradient,
         )
     total = out
     if chained is None and atomic and checked:

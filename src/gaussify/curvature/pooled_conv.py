@@ -37,6 +37,8 @@ from torch import Tensor, nn
 from gaussify.curvature.batched_backward import _ELEMENTWISE, ChainPass, _derivative
 
 __all__ = [
+    "gathered_patches",
+    "gradient_at_maxima",
     "maxima_gradient",
     "maxima_peak",
     "pooled_pays",
@@ -110,19 +112,32 @@ def pooled_squared_grads(patches: Tensor, d: Tensor, indices: Tensor) -> Tensor:
     b, k, o = d.shape[:3]
     flat = indices.flatten(-2)  # (B, O, W)
     h = d.flatten(-2).gather(-1, flat.unsqueeze(1).expand(b, k, o, flat.shape[-1]))
-    return squares_at_maxima(patches, h, flat)
+    return squares_at_maxima(gathered_patches(patches, flat), h)
 
 
-def squares_at_maxima(patches: Tensor, h: Tensor, flat: Tensor) -> Tensor:
-    """sum_{n,k} (sum_w h_{k,n,o,w} P_{n,o,w})^2, shape (O, F), from the patches (B, F, T),
-    the gradients h (B, K, O, W) of the convolution's output at the maxima and their
-    locations ``flat`` (B, O, W) into T: the K gradients formed directly (W K F per sample and
-    channel) or through the Gram M_o of the K gradients (W^2 (K + F)), whichever is fewer
-    multiply-adds (module docstring)."""
-    b, k, o, w = h.shape
+def gathered_patches(patches: Tensor, flat: Tensor) -> Tensor:
+    """P (B O, W, F): the patches (B, F, T) at the maxima ``flat`` (B, O, W) of each channel."""
+    b, o, w = flat.shape
     f = patches.shape[1]
     rows = flat.reshape(b, o * w, 1).expand(b, o * w, f)
-    gathered = patches.transpose(1, 2).gather(1, rows).view(b * o, w, f)
+    return patches.transpose(1, 2).gather(1, rows).view(b * o, w, f)
+
+
+def gradient_at_maxima(gathered: Tensor, h: Tensor) -> Tensor:
+    """sum_n sum_w h_{n,o,w} P_{n,o,w}, shape (O, F): the summed weight gradient of one vector
+    from its gradients h (B, O, W) at the maxima and the gathered patches (B O, W, F)."""
+    b, o, w = h.shape
+    return torch.bmm(h.reshape(b * o, 1, w), gathered).view(b, o, -1).sum(0)
+
+
+def squares_at_maxima(gathered: Tensor, h: Tensor) -> Tensor:
+    """sum_{n,k} (sum_w h_{k,n,o,w} P_{n,o,w})^2, shape (O, F), from the gradients h
+    (B, K, O, W) of the convolution's output at the maxima and the patches there
+    (:func:`gathered_patches`, (B O, W, F)): the K gradients formed directly (W K F per
+    sample and channel) or through the Gram M_o of the K gradients (W^2 (K + F)), whichever
+    is fewer multiply-adds (module docstring)."""
+    b, k, o, w = h.shape
+    f = gathered.shape[-1]
     if k * f <= w * (k + f):  # the K gradients themselves: (K, W) x (W, F) per (sample, o)
         grads = torch.bmm(h.transpose(1, 2).reshape(b * o, k, w), gathered)
         return grads.square_().view(b, o, k, f).sum((0, 2))

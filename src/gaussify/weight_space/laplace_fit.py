@@ -22,6 +22,7 @@ from torch import Tensor
 from gaussify import distributed
 from gaussify.batches import Batches
 from gaussify.curvature import make_curvature
+from gaussify.curvature.chain_diag import GradientSink
 from gaussify.curvature.jacobian import MIN_CHUNK_ELEMENTS, chunk_slices, jvp_with_outputs, vjp
 from gaussify.curvature.lastlayer import forward_with_features, lastlayer_jvp, lastlayer_vjp
 from gaussify.curvature.subset import expand_prior
@@ -95,11 +96,17 @@ def accumulate(
             scope.batch = i
             if shift is None:
                 # One forward pass besides the curvature's own: none on the last-layer path
-                # where the curvature kept its outputs and features, else one forward +
-                # backward that gives f, log p(y | f) and J^T r together.
+                # where the curvature kept its outputs and features, nor where its passes
+                # added J^T r (a chain's diagonal), else one forward + backward that gives
+                # f, log p(y | f) and J^T r together.
+                sink = _gradient_sink(la, curvature, y, grad)
                 curvature.update(la.model, x, y)
                 f, phi = outputs_after_update(la, curvature, x)
-                if f is None or phi is None:
+                if sink is not None and sink.added:
+                    f = curvature.last_outputs[0]
+                    curvature.last_outputs = None
+                    log_lik += la.likelihood.log_prob(f, y).sum()
+                elif f is None or phi is None:
                     f = outputs_and_gradient(la, x, y, grad)
                     log_lik += la.likelihood.log_prob(f, y).sum()
                 else:
@@ -124,6 +131,8 @@ def accumulate(
         raise ValueError("data: contains no examples")
     if hasattr(curvature, "last_outputs"):
         curvature.last_outputs = None  # the last batch's outputs and features: not state
+    if hasattr(curvature, "gradient_sink"):
+        curvature.gradient_sink = None
     la._curvature = curvature
     la._sigma_fit = la.sigma_noise.clone()  # the noise the curvature was built with
     la.num_data = num_data
@@ -131,6 +140,20 @@ def accumulate(
     la._grad = grad
     la._sse = sse
     la._posterior = None
+
+
+def _gradient_sink(
+    la: LaplaceFields, curvature: Any, y: Tensor, grad: Tensor
+) -> GradientSink | None:
+    """A sink for J^T r of this batch (r = d log p(y | f) / df) handed to a curvature that
+    can add it in its own backward passes (``gradient_sink``: the diagonal's batched route,
+    :class:`gaussify.curvature.chain_diag.GradientSink`); None for the others and for a
+    subnetwork (whose gradient is its entries of the support's)."""
+    if not hasattr(curvature, "gradient_sink") or la.subset.indices is not None:
+        return None
+    sink = GradientSink(lambda f: la.likelihood.residual(f, y), grad)
+    curvature.gradient_sink = sink
+    return sink
 
 
 def feature_statistics(

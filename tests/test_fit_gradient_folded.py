@@ -1,0 +1,117 @@
+"""The log-likelihood gradient J^T r a Laplace fit needs (the non-MAP correction of the
+evidence), added by the diagonal's batched backward passes as one more vector (issue 17: no
+forward and backward pass of its own): equal to autograd's gradient of sum_n log p(y_n | f_n)
+in float64 on every route (structured factor, dense vectors, a first convolution stopped at
+its pooling, linear chains), and formed the old way where it cannot be folded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gaussify as gs
+from gaussify.weight_space import laplace_fit
+
+DT = torch.float64
+
+
+def _cnn(c: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(54, c),
+    )  # fmt: skip
+
+
+def _strided(c: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, stride=2, padding=1), nn.ELU(), nn.Conv2d(3, 4, 2), nn.Sigmoid(),
+        nn.Flatten(), nn.Linear(144, c),
+    )  # fmt: skip
+
+
+def _mlp(c: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(196, 12), nn.Tanh(), nn.Linear(12, c))
+
+
+def _grouped(c: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
+        nn.Linear(400, c),
+    )  # fmt: skip
+
+
+CASES = {
+    "cnn_pooled/classification": (_cnn, "classification", 7, {}, True),
+    "cnn_pooled/classification/mc": (_cnn, "classification", 7, {"mc_samples": 3}, True),
+    "cnn_pooled/regression": (_cnn, "regression", 3, {}, True),
+    "cnn_strided/classification": (_strided, "classification", 5, {}, True),
+    "mlp/classification": (_mlp, "classification", 6, {}, True),
+    "mlp/regression": (_mlp, "regression", 2, {}, True),
+    # one vector (the empirical Fisher, one output) or a grouped convolution: not folded
+    "cnn_pooled/classification/ef": (_cnn, "classification", 7, {"ef": True}, False),
+    "cnn_pooled/regression/one_output": (_cnn, "regression", 1, {}, False),
+    "grouped/classification": (_grouped, "classification", 4, {}, False),
+}
+
+
+def _data(task: str, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 1, 14, 14, generator=g, dtype=DT)
+    if task == "classification":
+        return x, torch.randint(0, c, (40,), generator=g)
+    return x, torch.randn(40, c, generator=g, dtype=DT)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fit_gradient_equals_autograd(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    build, task, c, options, folded = CASES[name]
+    torch.manual_seed(1)
+    model = build(c).to(DT).eval()
+    x, y = _data(task, c)
+    passes: list[int] = []
+    real = laplace_fit.outputs_and_gradient
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        passes.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(laplace_fit, "outputs_and_gradient", counted)
+    kwargs = {**options, **({"sigma_noise": 0.7} if task == "regression" else {})}
+
+    def fitted() -> gs.Laplace:
+        generator = torch.Generator().manual_seed(5)  # Monte Carlo: the same draws
+        la = gs.Laplace(model, task, "diag", "all", generator=generator, **kwargs)
+        return la.fit(DataLoader(TensorDataset(x, y), batch_size=10))
+
+    la = fitted()
+    assert (not passes) is folded  # folded: no forward and backward pass of its own
+    # the oracle: autograd's gradient of the log-likelihood, in the parameters' order
+    model.zero_grad()
+    log_lik = la.likelihood.log_prob(model(x), y).sum()
+    log_lik.backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(la._grad, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(la._log_lik, log_lik.detach(), rtol=1e-12, atol=1e-12)
+    # the curvature is the one formed without the folded vector
+    monkeypatch.setattr(laplace_fit, "_gradient_sink", lambda *args: None)
+    plain = fitted()
+    torch.testing.assert_close(
+        la._curvature.ggn_diag, plain._curvature.ggn_diag, rtol=1e-12, atol=1e-300
+    )
+
+
+def test_a_non_finite_folded_gradient_raises() -> None:
+    """NaN weights in the first convolution reach the outputs: the fit refuses (naming the
+    outputs), as the unfolded route does, and keeps no state."""
+    torch.manual_seed(1)
+    model = _cnn(5).to(DT).eval()
+    with torch.no_grad():
+        model[0].weight[0, 0, 0, 0] = float("nan")
+    x, y = _data("classification", 5)
+    la = gs.Laplace(model, "classification", "diag", "all")
+    with pytest.raises(ValueError, match="network outputs contain NaN"):
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=10))
+    assert la._curvature is None

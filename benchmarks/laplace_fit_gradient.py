@@ -9,8 +9,9 @@ issue 17 the diagonal's batched route adds it as one more vector of its own back
 pass of its own per batch (``laplace_fit.outputs_and_gradient``). Per case (the models, data
 and case names of ``curvature_fits.py``, and ``mnist``: the pipeline's CNN of
 ``laplace_vs_laplace_torch.py`` on 2,000 28 x 28 MNIST images; exact GGN, all weights,
-diagonal), after a warm-up, ``--repeats`` rounds time in turn: ``folded`` (``gs.Laplace(...).fit``), ``separate`` (the
-same fit with the sink withheld, so the gradient takes its own pass: the code before), the
+diagonal), after a warm-up, ``--repeats`` rounds time in turn: ``folded``
+(``gs.Laplace(...).fit``), ``separate`` (the same fit with the sink withheld, so the gradient
+takes its own pass: the code before), the
 curvature alone (``fit_curvature``, what ``--fits`` times) and laplace-torch's
 ``Laplace(...).fit`` with its BackPack and ASDL backends (whose fit returns the loss and the
 curvature, no gradient). Medians, per-round ratios, and in float64 the largest relative

@@ -386,3 +386,34 @@ def test_conv_squared_grads_in_groups_of_vectors_equal_the_brute_force(groups: i
     got = _conv_squared_grads(conv, patches, d)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     assert conv_vector_group(nn.Conv2d(1, 4, 3), k, 4 * 16) == k  # small weight: all K
+
+
+@pytest.mark.parametrize(
+    ("kernel", "padding", "dilation"),
+    [(3, 0, 1), (3, 1, 1), (3, 2, 1), (3, 1, 2), (3, 4, 2), ((2, 3), (1, 0), (2, 1)), (3, 3, 1)],
+)
+def test_convolution_adjoint_equals_autograd(
+    kernel: object, padding: object, dilation: object
+) -> None:
+    """The adjoint of a stride-1 convolution (a plain convolution with the flipped kernel,
+    padding dilation (kernel - 1) - padding; the transposed one where the padding exceeds the
+    kernel's extent, the last case) equals autograd's vector-Jacobian product in float64."""
+    from gaussify.curvature.batched_backward import _flipped_weight, _vjp
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, kernel, padding=padding, dilation=dilation).double().eval()
+    x = torch.randn(5, 3, 9, 8, dtype=torch.float64, requires_grad=True)
+    chain = module_chain(nn.Sequential(conv))
+    assert chain is not None
+    run = chain_forward(chain, x.detach())
+    out = conv(x)
+    g = torch.randn(5, 2, *out.shape[1:], dtype=torch.float64)
+    got = _vjp(run, 0, g, slice(0, 5), False)
+    for k in range(2):
+        (expected,) = torch.autograd.grad(out, x, g[:, k], retain_graph=True)
+        torch.testing.assert_close(got[:, k], expected, rtol=1e-12, atol=1e-12)
+    extent = [dilation if isinstance(dilation, int) else dilation[d] for d in (0, 1)]
+    ks = [kernel if isinstance(kernel, int) else kernel[d] for d in (0, 1)]
+    pads = [padding if isinstance(padding, int) else padding[d] for d in (0, 1)]
+    falls_back = any(pads[d] > extent[d] * (ks[d] - 1) for d in (0, 1))
+    assert (_flipped_weight(run, 0, torch.float64) is None) is falls_back

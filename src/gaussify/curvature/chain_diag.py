@@ -212,14 +212,11 @@ def chain_squared_sums(
         chunk, cols, buffered, whole_rows, staged = _cached_plan(
             run, model, k, storage, wanted, rowwise, sums, plans=plans, **options
         )
-    fold = gradient is not None and k >= 2 and cols >= k and _ungrouped(run, wanted)
+    fold = gradient is not None and k >= 2 and cols >= k and _fold_pays(run, wanted, k, structured)
     if fold and chunk_size is None:  # planned for the K + 1 vectors
         plan = _cached_plan(
             run, model, k + 1, storage, wanted, rowwise, sums, plans=plans, **options
         )
-        # even where the extra vector costs a chunk more, the folded fit is as fast as the
-        # gradient's own pass or faster (benchmarks/laplace_fit_gradient.py: 8 x 8 CNN at
-        # batch 32, 5 samples per chunk, 4 folded: 0.99 x; MNIST CNN, 67 -> 60: 1.14 x)
         fold = plan[1] >= k + 1
         if fold:
             chunk, cols, buffered, whole_rows, staged = plan
@@ -282,9 +279,23 @@ class _Sink:
     structured: bool
 
 
-def _ungrouped(run: ChainPass, wanted: dict[int, str]) -> bool:
-    """Whether no wanted convolution is grouped (the folded gradient's products assume so)."""
-    return all(getattr(run.chain[i][1], "groups", 1) == 1 for i in wanted)
+def _fold_pays(
+    run: ChainPass, wanted: dict[int, str], k: int, structured: SqrtFactor | None
+) -> bool:
+    """Whether J^T r goes into the K-vector passes (:class:`GradientSink`): no wanted
+    convolution grouped (the folded products assume one group), and either no convolution at
+    all or a first one whose pass stops at the pooling after it (:func:`_stop_at_pooling`,
+    its gradient then from the maxima). Elsewhere the extra vector costs a dense per-sample
+    reduction and an adjoint per layer, more than the gradient's own forward and backward
+    pass: measured at 2 threads (benchmarks/laplace_fit_gradient.py), folded / own pass 0.97
+    / 0.81 x the time on the MLP at batch 256 / 32 and 0.88 x on the MNIST CNN (first
+    convolution pooled), but 1.09 / 1.08 x on the 8 x 8 CNN whose first convolution is not."""
+    convs = [i for i in wanted if type(run.chain[i][1]) is nn.Conv2d]
+    if any(getattr(run.chain[i][1], "groups", 1) != 1 for i in convs):
+        return False
+    if not convs:
+        return True
+    return min(wanted) in convs and _stop_at_pooling(run, wanted, k + 1, structured) is not None
 
 
 #: a chunk plan of :func:`_cached_plan`

@@ -2,6 +2,7 @@
 side by side in ONE process:
 
     python benchmarks/laplace_fit_gradient.py [--threads 2] [--repeats 7] [--cases ...]
+        [--device cpu]
 
 ``Laplace.fit`` needs J^T r (the evidence's non-MAP correction) besides the curvature. Since
 issue 17 the diagonal's batched route adds it as one more vector of its own backward passes
@@ -35,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import gaussify as gs
+from gaussify.cli_args import add_device_argument
 from gaussify.curvature import make_curvature
 from gaussify.curvature.fitting import fit_curvature
 from gaussify.weight_space import laplace_fit
@@ -94,11 +96,11 @@ def _data(m: str, c: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     return ds.x_train.to(dtype), ds.y_train.long()
 
 
-def run_case(name: str, repeats: int) -> dict[str, Any]:
+def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
     m, b, c = name.split("/")
-    x, y = _data(m, int(c), torch.float32)
+    x, y = (t.to(device) for t in _data(m, int(c), torch.float32))
     loader = DataLoader(TensorDataset(x, y), batch_size=int(b))
-    model = _model(m, int(c))
+    model = _model(m, int(c)).to(device)
     case = cf._case(m, int(b), int(c), "diag", "ggn", "all")
     sides: dict[str, Callable[[], Any]] = {
         "folded": lambda: _laplace(model, loader),
@@ -108,15 +110,17 @@ def run_case(name: str, repeats: int) -> dict[str, Any]:
         ),
     }
     for backend in ("BackPackGGN", "AsdlGGN"):
-        own = _model(m, int(c))  # BackPack's hooks: each its own model
+        own = _model(m, int(c)).to(device)  # BackPack's hooks: each its own model
         sides[backend] = lambda bk=backend, own=own: cf.backend_fit(case, bk, own, loader)
     for fn in sides.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(repeats):
         for key, fn in sides.items():
+            cf._sync()
             start = time.perf_counter()
             fn()
+            cf._sync()  # a CUDA timer waits for the queued kernels
             times[key].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min(("BackPackGGN", "AsdlGGN"), key=lambda k: med[k])
@@ -124,8 +128,8 @@ def run_case(name: str, repeats: int) -> dict[str, Any]:
     def paired(num: str, den: str) -> float:
         return statistics.median(a / b for a, b in zip(times[num], times[den], strict=True))
 
-    model64 = _model(m, int(c)).to(torch.float64)
-    x64, y64 = _data(m, int(c), torch.float64)
+    model64 = _model(m, int(c)).to(device, torch.float64)
+    x64, y64 = (t.to(device) for t in _data(m, int(c), torch.float64))
     ld64 = DataLoader(TensorDataset(x64, y64), batch_size=int(b))
     folded, separate = _laplace(model64, ld64), _laplace(model64, ld64, folded=False)
     reference = _autograd_gradient(model64, x64, y64)
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
+    add_device_argument(parser)
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/laplace_fit_gradient.json"
     )
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     load_start = list(os.getloadavg())
     rows = []
     for name in args.cases:
-        row = run_case(name, args.repeats)
+        row = run_case(name, args.repeats, args.device)
         rows.append(row)
         print(
             f"{name:12s} folded {row['median_s']['folded']:.4f}s separate "
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {
             "threads": args.threads,
             "repeats": args.repeats,
+            "device": str(args.device),
             "torch": torch.__version__,
             "load_average_start": load_start,
             "load_average_end": list(os.getloadavg()),

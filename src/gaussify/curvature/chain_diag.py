@@ -314,7 +314,6 @@ def _cached_plan(
     structured: bool,
     plans: dict[Any, Any] | None,
     checked: bool = True,
-    held: int = 0,
 ) -> _Plan:
     """(samples per chunk, vectors per pass, linear sums buffered, output vectors formed for
     the whole batch, batch summed apart first) of :func:`_plan` (with ``atomic``: the
@@ -325,8 +324,7 @@ def _cached_plan(
     but a last, smaller one) share it instead of re-running the memory rule's Python loops
     over the modules per batch. Unchecked (a fit's deferred checks: the batch is added to
     the curvature directly, no batch temporary and nothing summed apart) the pass holds one
-    storage-sized tensor, the curvature's own: ``copies=1``, any plan. ``held``: elements
-    the pass holds besides (the folded gradient's per-batch buffers)."""
+    storage-sized tensor, the curvature's own: ``copies=1``, any plan."""
     key = (
         tuple(id(m) for _, m in run.chain),
         tuple((tuple(a.shape), a.dtype, a.device) for a in run.acts),
@@ -338,7 +336,6 @@ def _cached_plan(
         atomic,
         structured,
         checked,
-        held,
     )
     if plans is None:
         plans = {}
@@ -346,7 +343,7 @@ def _cached_plan(
         return plans[key]
     if len(plans) > 32:  # e.g. many batch sizes: keep the table small
         plans.clear()
-    flags = {"structured": structured, "held": held}
+    flags = {"structured": structured}
     if not checked:  # added directly: no batch temporary (copies=1), nothing staged
         plans[key] = (*_plan(run, model, k, storage, wanted, rowwise, sums, 1, **flags)[1], False)
         return plans[key]
@@ -381,7 +378,6 @@ def _plan(
     copies: int = 2,
     buffered_only: bool = False,
     structured: bool = False,
-    held: int = 0,
 ) -> tuple[float, tuple[int, int, bool, bool]]:
     """(cost, (samples per chunk, vectors per pass, linear sums buffered per batch, output
     vectors formed for the whole batch)) for :func:`chain_squared_sums` under the memory
@@ -392,8 +388,7 @@ def _plan(
     per chunk and groups of vectors (:func:`rule_columns`). ``copies``: storage-sized tensors
     held (2 with the diagonal's batch temporary); ``buffered_only``: the linear sums always
     buffered (deferred to the end of the batch); ``structured``: the vectors are a
-    structured factor (:func:`gaussify.curvature.batched_backward.rule_chunk`); ``held``:
-    elements the pass holds besides for the whole batch."""
+    structured factor (:func:`gaussify.curvature.batched_backward.rule_chunk`)."""
     n = run.acts[0].shape[0]
     linear = sum(type(run.chain[i][1]) is nn.Linear for i in wanted)
     others = len(wanted) - linear
@@ -409,7 +404,7 @@ def _plan(
                 wanted,
                 rowwise=not whole,
                 copies=copies,
-                buffers=buffers + held,
+                buffers=buffers,
                 floor=0,
                 structured=structured,
             )
@@ -435,7 +430,7 @@ def _plan(
         wanted,
         rowwise=rowwise,
         copies=copies,
-        buffers=buffers + held,
+        buffers=buffers,
         structured=structured,
     )
     per_chunk = passes * _COST_MODULE + others * _COST_PLAIN + linear * _COST_PLAIN

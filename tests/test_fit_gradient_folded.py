@@ -2,8 +2,9 @@
 evidence), added by the diagonal's batched backward passes as one more vector (issue 17: no
 forward and backward pass of its own): equal to autograd's gradient of sum_n log p(y_n | f_n)
 in float64 on every route (structured factor, dense vectors, a first convolution stopped at
-its pooling, linear chains), and formed the old way where it is not folded (one vector, a
-grouped convolution, a first convolution without a pooling after it)."""
+its pooling, linear chains, the empirical Fisher's own vector), and formed the old way where
+it is not folded (one vector other than the residual, a grouped convolution, a first
+convolution without a pooling after it)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,11 @@ CASES = {
     "cnn_strided/classification": (_strided, "classification", 5, {}, False),
     "mlp/classification": (_mlp, "classification", 6, {}, True),
     "mlp/regression": (_mlp, "regression", 2, {}, True),
-    # one vector (the empirical Fisher, one output) or a grouped convolution: not folded either
-    "cnn_pooled/classification/ef": (_cnn, "classification", 7, {"ef": True}, False),
+    # the empirical Fisher: its one vector is the residual, summed as it is squared
+    "cnn_pooled/classification/ef": (_cnn, "classification", 7, {"ef": True}, True),
+    "mlp/regression/ef": (_mlp, "regression", 2, {"ef": True}, True),
+    "grouped/classification/ef": (_grouped, "classification", 4, {"ef": True}, True),
+    # one vector that is not the residual (one output), a grouped convolution: not folded
     "cnn_pooled/regression/one_output": (_cnn, "regression", 1, {}, False),
     "grouped/classification": (_grouped, "classification", 4, {}, False),
 }

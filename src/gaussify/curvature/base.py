@@ -662,7 +662,7 @@ class GaussNewtonCurvature:
             # K = 1 (EF) or S (Monte Carlo) for sure; a likelihood's Lambda^1/2 may be C x K
             num_vectors=self._num_factors if self.ef or self.mc_samples else None,
             plans=self._plans,
-            gradient=self.gradient_sink if offset is None else None,
+            gradient=self._sink(offset),
         )
         f = f.detach() if offset is None else f.detach() + offset.to(f.dtype)
         if self.keep_outputs:
@@ -672,6 +672,15 @@ class GaussNewtonCurvature:
         if deferred and out is not None:  # the sum recorded, tested once per fit
             check_diagonal(out, self.subset, model)
         return batch, f, None, held.get("draws")
+
+    def _sink(self, offset: Tensor | None) -> GradientSink | None:
+        """The ``gradient_sink`` for this batch's passes (none with an offset: the fit's
+        linearised outputs take their own gradient); marked ``shared`` for the empirical
+        Fisher, whose one vector is the residual r at the observed y itself."""
+        if self.gradient_sink is None or offset is not None:
+            return None
+        self.gradient_sink.shared = self.ef
+        return self.gradient_sink
 
     def state_schema(self) -> dict[str, Any]:
         """The declarative schema of :meth:`state_dict` (:mod:`gaussify.state`)."""

@@ -64,6 +64,9 @@ class GradientSink:
     out: Tensor
     view: Callable[[str], Tensor] | None = None
     added: bool = False
+    #: the K = 1 vectors are the residuals themselves (the empirical Fisher's): their
+    #: gradients are summed as they are squared, no vector is added
+    shared: bool = False
 
 
 def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
@@ -87,7 +90,9 @@ def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
     return total.reshape(conv.out_channels, -1)
 
 
-def _single_vector_squared_grads(conv: nn.Conv2d, a: Tensor, d: Tensor) -> Tensor:
+def _single_vector_squared_grads(
+    conv: nn.Conv2d, a: Tensor, d: Tensor, summed: Tensor | None = None
+) -> Tensor:
     """sum_n (per-sample weight gradient of u_n^T f_n)^2 for one vector per sample (K = 1:
     the empirical Fisher, one Monte Carlo draw, a binary softmax's rank-1 root), shape
     (C_out, C_in / G * kh * kw), from the input a (B, C_in, H, W) and d (B, 1, C_out, H', W'):
@@ -95,7 +100,8 @@ def _single_vector_squared_grads(conv: nn.Conv2d, a: Tensor, d: Tensor) -> Tenso
     per-sample gradients, (B C_out, C_in / G, kh, kw)), one ``convolution_backward`` call
     instead of the im2col patches and B products (measured 3 x faster at B = 32 and 256 on
     the CPU; slower from K = 9 vectors on, so only for K = 1). The weight is only a shape
-    there (a stride-0 expansion of one number)."""
+    there (a stride-0 expansion of one number). ``summed``: the view of a shared residual's
+    summed gradient (:attr:`GradientSink.shared`), the per-sample gradients' sum added to it."""
     b = a.shape[0]
     weight = d.new_empty(()).expand(b * conv.out_channels, *conv.weight.shape[1:])
     grads = torch.ops.aten.convolution_backward(
@@ -112,6 +118,8 @@ def _single_vector_squared_grads(conv: nn.Conv2d, a: Tensor, d: Tensor) -> Tenso
         (False, True, False),
     )[1]
     per = grads.view(b, conv.out_channels, -1)
+    if summed is not None:  # the vector's summed gradient too (the residual's, shared)
+        summed.view(conv.out_channels, -1).add_(per.sum(0).to(summed.dtype))
     return per.mul_(per).sum(0)
 
 
@@ -228,7 +236,10 @@ def chain_squared_sums(
             return whole[rows]
 
     sink = None
-    if fold:
+    if gradient is not None and gradient.shared and k == 1 and structured is None:
+        assert gradient.view is not None  # the vectors are r: sum what is squared
+        sink = _Sink(f.new_empty(0), gradient.view, False, shared=True)
+    elif fold:
         assert gradient is not None and gradient.view is not None
         residual = gradient.residual(f)
         if residual.shape != f.shape:
@@ -277,6 +288,8 @@ class _Sink:
     residual: Tensor
     view: Callable[[str], Tensor]
     structured: bool
+    #: the vectors are the residuals (:attr:`GradientSink.shared`)
+    shared: bool = False
 
 
 def _fold_pays(
@@ -487,7 +500,7 @@ def _accumulate_squares(
         else:
             _add_linear_squares(targets[last], final, run.acts[last])
         del final
-        if sink is not None:  # the final layer's gradient from the residuals, once
+        if sink is not None and not sink.shared:  # the final layer's gradient, once
             _add_linear_gradient(grads[last], sink.residual, run.acts[last])
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
@@ -497,7 +510,11 @@ def _accumulate_squares(
         step = cols or whole.shape[1]
         if pooled is None:
             cols_now = min(step, whole.shape[1]) + (1 if sink and sink.structured else 0)
-            stop = _stop_at_pooling(run, wanted, cols_now, structured)
+            stop = (
+                None
+                if sink and sink.shared
+                else _stop_at_pooling(run, wanted, cols_now, structured)
+            )
             pooled = _pooled_convs(run, wanted, cols_now, structured, skip=min(wanted), now=stop)
 
         for c0 in range(0, whole.shape[1], step):
@@ -506,7 +523,7 @@ def _accumulate_squares(
             extra = sink.residual[rows].unsqueeze(1) if sink and sink.structured else None
             _reduce_chunk(
                 run, ut, rows, wanted, targets, linear, squares, buffered, first, pooled, stop,
-                extra, grads if sink else None,
+                extra, grads if sink else None, bool(sink and sink.shared),
             )  # fmt: skip
             del ut  # the chunk's K-fold tensors, before the per-batch reductions
         del whole
@@ -649,6 +666,7 @@ def _reduce_chunk(
     stop: int | None = None,
     extra: Tensor | None = None,
     grads: dict[int, dict[str, Tensor]] | None = None,
+    shared: bool = False,
 ) -> None:
     """One batched backward pass of the vectors ``ut`` (B, K', C) of the samples ``rows`` and
     its squared sums into ``targets`` (or, ``buffered``, a linear layer's rows of
@@ -658,7 +676,7 @@ def _reduce_chunk(
     first wanted convolution's squares taken from its maxima (:func:`_stop_at_pooling`).
     ``grads``: the last vector is the residual (after a structured ``ut``'s: ``extra``), its
     summed gradients added to these views (a convolution's from the patches its squares
-    use)."""
+    use); with ``shared`` the one vector is the residual itself, summed as it is squared."""
     for i, d in backward_chunk(run, ut, list(wanted), rows, stop, extra):
         if isinstance(d, SqrtFactor):  # the final linear layer: summed once per batch
             continue
@@ -666,7 +684,10 @@ def _reduce_chunk(
             _add_maxima_squares(run, i, stop, d, rows, targets[i], grads and grads[i])
             continue
         r = None
-        if grads is not None:  # the residual's gradient, then the K vectors' squares
+        if grads is not None and shared:  # the one vector is the residual
+            if i in linear:
+                _add_linear_gradient(grads[i], d[:, 0], run.acts[i][rows])
+        elif grads is not None:  # the residual's gradient, then the K vectors' squares
             d, r = d[:, :-1], d[:, -1]
             if i in linear:
                 _add_linear_gradient(grads[i], r, run.acts[i][rows])
@@ -686,7 +707,8 @@ def _reduce_chunk(
             w = views["weight"]
             a = run.acts[i][rows]
             if d.shape[1] == 1 and r is None:  # one vector: as a grouped conv's gradients
-                sums = _single_vector_squared_grads(module, a, d)
+                summed = grads[i]["weight"] if grads is not None and shared else None
+                sums = _single_vector_squared_grads(module, a, d, summed)
             else:
                 patches = conv2d_patches(module, a)
                 if pooled and i in pooled:  # from the maxima of the pooling after it
@@ -703,8 +725,10 @@ def _reduce_chunk(
             b = views["bias"]
             per = d.sum((-2, -1))
             b.add_((per * per).sum((0, 1)).to(b.dtype))
-            if r is not None and grads is not None:
-                grads[i]["bias"].add_(r.sum((0, 2, 3)).to(grads[i]["bias"].dtype))
+            if grads is not None and (r is not None or shared):
+                one = d[:, 0] if shared else r
+                assert one is not None
+                grads[i]["bias"].add_(one.sum((0, 2, 3)).to(grads[i]["bias"].dtype))
 
 
 def _add_maxima_squares(

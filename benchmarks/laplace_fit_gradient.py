@@ -9,7 +9,8 @@ issue 17 the diagonal's batched route adds it as one more vector of its own back
 (``chain_diag.GradientSink``); before, the fit ran a forward pass and an autograd backward
 pass of its own per batch (``laplace_fit.outputs_and_gradient``). Per case (the models, data
 and case names of ``curvature_fits.py``, and ``mnist``: the pipeline's CNN of
-``laplace_vs_laplace_torch.py`` on 2,000 28 x 28 MNIST images; exact GGN, all weights,
+``laplace_vs_laplace_torch.py`` on 2,000 28 x 28 MNIST images; exact GGN, or the empirical
+Fisher for the cases ending in ``/ef`` against laplace-torch's EF backends; all weights,
 diagonal), after a warm-up, ``--repeats`` rounds time in turn: ``folded``
 (``gs.Laplace(...).fit``), ``separate`` (the same fit with the sink withheld, so the gradient
 takes its own pass: the code before), the
@@ -53,11 +54,15 @@ CASES = (
     "cnn/32/100",
     "mnist/256/10",
     "mnist/32/10",
+    "mlp/256/10/ef",
+    "cnn/256/10/ef",
+    "cnn/32/10/ef",
+    "mnist/256/10/ef",
 )
 
 
-def _laplace(model: Any, loader: DataLoader, folded: bool = True) -> gs.Laplace:
-    la = gs.Laplace(model, "classification", "diag", "all")
+def _laplace(model: Any, loader: DataLoader, folded: bool = True, ef: bool = False) -> gs.Laplace:
+    la = gs.Laplace(model, "classification", "diag", "all", ef=ef)
     if folded:
         return la.fit(loader)
     real = laplace_fit._gradient_sink
@@ -97,16 +102,17 @@ def _data(m: str, c: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
 
 
 def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
-    m, b, c = name.split("/")
+    m, b, c, *flavour = name.split("/")
+    ef = flavour == ["ef"]
     x, y = (t.to(device) for t in _data(m, int(c), torch.float32))
     loader = DataLoader(TensorDataset(x, y), batch_size=int(b))
     model = _model(m, int(c)).to(device)
-    case = cf._case(m, int(b), int(c), "diag", "ggn", "all")
+    case = cf._case(m, int(b), int(c), "diag", "ef" if ef else "ggn", "all")
     sides: dict[str, Callable[[], Any]] = {
-        "folded": lambda: _laplace(model, loader),
-        "separate": lambda: _laplace(model, loader, folded=False),
+        "folded": lambda: _laplace(model, loader, ef=ef),
+        "separate": lambda: _laplace(model, loader, folded=False, ef=ef),
         "curvature_only": lambda: fit_curvature(
-            make_curvature("diag", model, "classification"), model, loader
+            make_curvature("diag", model, "classification", ef=ef), model, loader
         ),
     }
     for backend in ("BackPackGGN", "AsdlGGN"):
@@ -131,7 +137,8 @@ def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
     model64 = _model(m, int(c)).to(device, torch.float64)
     x64, y64 = (t.to(device) for t in _data(m, int(c), torch.float64))
     ld64 = DataLoader(TensorDataset(x64, y64), batch_size=int(b))
-    folded, separate = _laplace(model64, ld64), _laplace(model64, ld64, folded=False)
+    folded = _laplace(model64, ld64, ef=ef)
+    separate = _laplace(model64, ld64, folded=False, ef=ef)
     reference = _autograd_gradient(model64, x64, y64)
     return {
         "case": name,

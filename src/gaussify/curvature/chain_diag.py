@@ -54,10 +54,11 @@ __all__ = ["GradientSink", "chain_squared_sums"]
 class GradientSink:
     """J^T r of the chain's parameters, sum_n J_n^T r_n for the residuals ``residual(f)``
     (N, C), added into ``view(parameter name)`` by :func:`chain_squared_sums` in the backward
-    passes of the squares, as one more vector (where all K go in one pass, K >= 2 and no
-    convolution is grouped; ``added`` tells the caller that it was, else it forms J^T r
-    itself): the gradient of the log-likelihood a Laplace fit needs, without a forward and
-    backward pass of its own. ``out``: the flat gradient (P,) in the parameters' order;
+    passes of the squares, as one more vector where all K go in one pass, K >= 2 and it pays
+    (:func:`_fold_pays`), or from the one vector itself where that is the residual
+    (``shared``, the empirical Fisher); ``added`` tells the caller that it was, else it
+    forms J^T r itself: the gradient of the log-likelihood a Laplace fit needs, without a
+    forward and backward pass of its own. ``out``: the flat gradient (P,) in the parameters' order;
     ``view`` is set by :func:`gaussify.curvature.per_sample.squared_vjp_sum` from it."""
 
     residual: Callable[[Tensor], Tensor]

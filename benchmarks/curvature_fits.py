@@ -312,6 +312,21 @@ def _best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def alternating_rounds(sides: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall times of ``repeats`` rounds, each timing every side once in turn (sides run back
+    to back within a round, so a change of the machine's load hits every side alike); CUDA
+    work is waited for before and after each call."""
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(repeats):
+        for key, fn in sides.items():
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()  # a CUDA timer waits for the queued kernels
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
 def alloc_peak(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, int]:
     """(result, peak of torch's live allocations above the start on ``device``, bytes): on
     the CPU from the profiler's allocation events, on CUDA from the caching allocator's

@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,14 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 base.update(_table())
             elif key == "ours":
                 ours.update(_table())
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        for _ in range(args.repeats):
-            for key, fn in sides.items():
-                cf._sync()
-                start = time.perf_counter()
-                fn()
-                cf._sync()  # a CUDA timer waits for the queued kernels
-                times[key].append(time.perf_counter() - start)
+        times = cf.alternating_rounds(sides, args.repeats)
         med = {k: statistics.median(v) for k, v in times.items()}
         low = {k: min(v) for k, v in times.items()}
         best = min(backends, key=lambda k: med[k])

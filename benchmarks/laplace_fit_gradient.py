@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,14 +119,7 @@ def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
         sides[backend] = lambda bk=backend, own=own: cf.backend_fit(case, bk, own, loader)
     for fn in sides.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for _ in range(repeats):
-        for key, fn in sides.items():
-            cf._sync()
-            start = time.perf_counter()
-            fn()
-            cf._sync()  # a CUDA timer waits for the queued kernels
-            times[key].append(time.perf_counter() - start)
+    times = cf.alternating_rounds(sides, repeats)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min(("BackPackGGN", "AsdlGGN"), key=lambda k: med[k])
 

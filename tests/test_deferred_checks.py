@@ -74,18 +74,22 @@ def _fit_syncs_over_2_and_8_batches(model_name: str, fit) -> list[int]:  # type:
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
-@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
 @pytest.mark.parametrize("ef", [False, True])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
 def test_curvature_fit_host_syncs_do_not_grow_with_the_batches(
-    model_name: str, structure: str, ef: bool
+    model_name: str, structure: str, ef: bool, subset: str
 ) -> None:
     """A fit of 2 and of 8 batches reads the device the same number of times (one test of
     all the batches' checks at the end), where the per-batch checks read it several times per
-    batch (the outputs' and labels' checks, the diagonal's finiteness and overflow tests)."""
+    batch (the outputs' and labels' checks, the diagonal's finiteness and overflow tests; the
+    full GGN's products and, on the last layer, its features, middles and sum: main read the
+    device twice per batch there)."""
 
     def fit(model: nn.Module, x: Tensor, y: Tensor) -> None:
         loader = DataLoader(TensorDataset(x, y), batch_size=4)
-        fit_curvature(make_curvature(structure, model, "classification", ef=ef), model, loader)
+        curv = make_curvature(structure, model, "classification", subset, ef=ef)
+        fit_curvature(curv, model, loader)
 
     counts = _fit_syncs_over_2_and_8_batches(model_name, fit)
     assert counts[0] == counts[1], counts
@@ -162,20 +166,27 @@ def test_laplace_fit_over_a_loader_reads_the_device_at_most_once_per_batch() -> 
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
-@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
 @pytest.mark.parametrize("ef", [False, True])
-def test_deferred_fit_equals_the_checked_updates(model_name: str, structure: str, ef: bool) -> None:
-    """fit_curvature (checks deferred; the diagonal added without its batch temporary) gives
-    the state of the per-batch checked ``update`` loop to round-off in float64."""
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_deferred_fit_equals_the_checked_updates(
+    model_name: str, structure: str, ef: bool, subset: str
+) -> None:
+    """fit_curvature (checks deferred; the diagonal and the full GGN added without their
+    batch temporaries) gives the state of the per-batch checked ``update`` loop to round-off
+    in float64 (chunk_size 3: several chunks per batch of 8)."""
     c = 4 if model_name == "mlp" else 3
     build = _mlp if model_name == "mlp" else _cnn
     model = build(c)
     x, y = _data(model_name, 24, c)
-    ref = make_curvature(structure, model, "classification", ef=ef)
+    ref = make_curvature(structure, model, "classification", subset, ef=ef, chunk_size=3)
     for start in range(0, 24, 8):
         ref.update(model, x[start : start + 8], y[start : start + 8])
     fitted = fit_curvature(
-        make_curvature(structure, model, "classification", ef=ef), model, (x, y), 8
+        make_curvature(structure, model, "classification", subset, ef=ef, chunk_size=3),
+        model,
+        (x, y),
+        8,
     )
     expected = ref.state_dict()
     got = fitted.state_dict()
@@ -198,7 +209,13 @@ class RootNet(nn.Module):
 
 @pytest.mark.parametrize(
     ("fit", "structure"),
-    [("fit_curvature", "diag"), ("Laplace.fit", "diag"), ("Laplace.fit", "lowrank")],
+    [
+        ("fit_curvature", "diag"),
+        ("fit_curvature", "full"),
+        ("Laplace.fit", "diag"),
+        ("Laplace.fit", "lowrank"),
+        ("Laplace.fit", "full"),
+    ],
 )
 def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(
     fit: str, structure: str
@@ -216,15 +233,17 @@ def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(
     x_bad[9] = 0.0  # batch 2 of 4-row batches
     expected = r"NaN Jacobian in parameter 'inp\.weight'.*\(batch 2 of the fit, counting from 0\)"
     if fit == "fit_curvature":
-        curv = fit_curvature(make_curvature("diag", model, "classification"), model, (x, y), 4)
-        before = curv.ggn_diag.clone()
+        curv = fit_curvature(make_curvature(structure, model, "classification"), model, (x, y), 4)
+        before = {k: v.clone() for k, v in curv.state_dict().items() if isinstance(v, Tensor)}
         with pytest.raises(ValueError, match=expected):
             fit_curvature(curv, model, (x_bad, y), 4)
-        assert torch.equal(curv.ggn_diag, before) and curv.num_data == 16
-        fresh = make_curvature("diag", model, "classification")
+        after = curv.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()) and curv.num_data == 16
+        fresh = make_curvature(structure, model, "classification")
         with pytest.raises(ValueError, match=expected):
             fit_curvature(fresh, model, (x_bad, y), 4)
-        assert not fresh.ggn_diag.any() and fresh.num_data == 0
+        assert fresh.num_data == 0
+        assert all(not v.any() for v in fresh.state_dict().values() if isinstance(v, Tensor))
     else:
         options = {"rank": 3} if structure == "lowrank" else {}
         la = gs.Laplace(model, "classification", structure, **options).fit((x, y), batch_size=4)
@@ -292,3 +311,27 @@ def test_a_scope_reads_once_and_raises_the_first_failure_in_recording_order() ->
         check(torch.tensor(False), "not raised: the KeyError wins")
         raise KeyError("inner")
     assert not deferring()
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_a_full_ggn_whose_sum_overflows_is_refused_and_changes_nothing(subset: str) -> None:
+    """Finite products whose squares overflow float64 (inputs of 1e160): a lone ``update``
+    refuses the batch with G unchanged (main added it and returned an infinite G), and a fit
+    (checks deferred, the batch added directly) raises with the batch named and sets G back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).to(DT)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, generator=g, dtype=DT).abs()
+    y = torch.randn(12, 2, generator=g, dtype=DT)
+    x[6] = 1e160
+    message = r"the sum overflowed"
+    curv = make_curvature("full", model, "regression", subset)
+    curv.update(model, x[:4], y[:4])
+    before = curv.ggn.clone()
+    with pytest.raises(ValueError, match=message):
+        curv.update(model, x[4:8], y[4:8])
+    assert torch.equal(curv.ggn, before) and torch.isfinite(curv.ggn).all()
+    assert curv.num_data == 4
+    with pytest.raises(ValueError, match=message + r".*\(batch 1 of the fit"):
+        fit_curvature(curv, model, (x, y), 4)
+    assert torch.equal(curv.ggn, before) and curv.num_data == 4

@@ -352,15 +352,7 @@ def check_diagonal(diag: Tensor, subset: ParameterSubset, model: nn.Module) -> N
     maxima = torch._foreach_max(list(torch.split(diag, list(subset.numels))))
 
     def message(i: int, value: Tensor) -> str:
-        name = subset.names[i]
-        module = subset.module_of(name)
-        kind = "NaN" if bool(torch.isnan(value)) else "infinite"
-        return (
-            f"{kind} Jacobian in parameter {name!r} (module {module or '<root>'!r}, "
-            f"{type(model.get_submodule(module)).__name__}): the network is not "
-            "differentiable at the current parameters (e.g. sqrt or norm at zero); curvature "
-            "cannot be computed"
-        )
+        return gj.nonfinite_jacobian_message(subset, model, i, gj.value_kind(value))
 
     check_finite_values(maxima, message)
 

@@ -15,6 +15,7 @@ to 0; if the float64 eigensolver fails, the Cholesky route is used with a warnin
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from gaussify import draws
 from gaussify.curvature.base import (
     GaussNewtonCurvature,
+    _max_abs,
     _sum_cannot_overflow,
     as_hyperparameter,
     check_offset,
@@ -36,6 +38,7 @@ from gaussify.curvature.lastlayer import (
     lastlayer_full_ggn,
 )
 from gaussify.curvature.subset import expand_prior
+from gaussify.deferred_checks import check_finite, deferring
 from gaussify.likelihoods import Likelihood, all_finite
 from gaussify.memory_guard import check_allocation
 from gaussify.state import (
@@ -50,12 +53,39 @@ __all__ = [
     "gram",
 ]
 
+_NOT_FINITE = (
+    "x: the batch gives NaN or infinite Jacobian products; the accumulated curvature is unchanged"
+)
+_FEATURES_NOT_FINITE = (
+    "x: the batch gives NaN or infinite Jacobian products (features of the output layer not "
+    "finite); the accumulated curvature is unchanged"
+)
+_OVERFLOW = (
+    "x: the batch gives NaN or infinite Jacobian products (the sum overflowed); the "
+    "accumulated curvature is unchanged"
+)
+
 
 #: What to use instead of a P x P matrix that does not fit (memory_guard messages).
 FULL_ALTERNATIVES = (
     "structure='diag', 'kron' or 'lowrank', or a smaller subset ('last_layer', named "
     "modules, or a subnetwork of individual weights)"
 )
+
+
+def _cannot_overflow(bound: float, ggn: Tensor) -> bool:
+    """Whether G + T stays finite for any T with |entries| <= ``bound``: kept below 1/4 of
+    the dtype's largest number."""
+    return bound + _max_abs(ggn) < 0.25 * torch.finfo(ggn.dtype).max
+
+
+def _add_checked(ggn: Tensor, term: Tensor) -> None:
+    """G += T in place, only when T is finite and the sum cannot overflow (else G is left
+    unchanged and the batch refused)."""
+    top = _max_abs(term)
+    if not (math.isfinite(top) and _cannot_overflow(top, ggn)):
+        raise ValueError(_OVERFLOW)
+    ggn += term
 
 
 def gram(products: Tensor) -> Tensor:
@@ -403,19 +433,26 @@ class FullGGN(GaussNewtonCurvature):
             return
         k = self._num_factors(f.shape[1])
         single = self._chunk(f.shape[0], k * self.subset.support.num_params) >= f.shape[0]
-        target = self._ggn if single else torch.zeros_like(self._ggn)
+        # inside a fit's deferred_checks scope the checks are recorded (no host read per
+        # batch) and the batch is added directly: the fit sets the state back on failure
+        deferred = deferring()
+        target = self._ggn if single or deferred else torch.zeros_like(self._ggn)
         for block in self._products(model, x, y, f, phi, draws):
             flat = block.reshape(-1, block.shape[-1]).to(self._ggn.dtype)
-            # one reduction (NaN/inf propagate into the sum); the full scan only if it is not
-            # finite, in case the finite entries merely overflowed the sum
-            if not torch.isfinite(flat.sum()) and not torch.isfinite(flat).all():
-                raise ValueError(
-                    "x: the batch gives NaN or infinite Jacobian products; the accumulated "
-                    "curvature is unchanged"
-                )
+            if deferred:
+                check_finite(flat, _NOT_FINITE)
+            else:
+                top = _max_abs(flat)
+                if not math.isfinite(top):
+                    raise ValueError(_NOT_FINITE)
+                # one chunk added directly only where its Gram cannot overflow G
+                if target is self._ggn and not _cannot_overflow(flat.shape[0] * top * top, target):
+                    target = torch.zeros_like(self._ggn)
             syrk_lower_(target, flat, self._blocks)
-        if target is not self._ggn:
-            self._ggn += target
+        if deferred:  # finite products whose squares overflowed the sum
+            check_finite(self._ggn, _OVERFLOW)
+        elif target is not self._ggn:
+            _add_checked(self._ggn, target)
         self._mirror_pending = True
         self.num_data += x.shape[0]
         self._forget()
@@ -433,11 +470,11 @@ class FullGGN(GaussNewtonCurvature):
         cheap pass over the (B, C, C) middles) no entry can overflow, so the chunks are added
         to G directly. Otherwise they are summed into a (P, P) temporary, checked, then
         added, so a failing batch leaves G unchanged."""
-        if not all_finite(phi):
-            raise ValueError(
-                "x: the batch gives NaN or infinite Jacobian products (features of the output "
-                "layer not finite); the accumulated curvature is unchanged"
-            )
+        deferred = deferring()  # checks recorded, the batch added directly (see update)
+        if deferred:
+            check_finite(phi, _FEATURES_NOT_FINITE)
+        elif not all_finite(phi):
+            raise ValueError(_FEATURES_NOT_FINITE)
         n, c = f.shape
         width = self.num_params // c
         # the chunk budget split in two: classes per matmul block so that its (D', g C D')
@@ -452,24 +489,20 @@ class FullGGN(GaussNewtonCurvature):
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
             return factor @ factor.mT
 
-        direct = len(slices) == 1 or _sum_cannot_overflow(phi, slices, middle, self._ggn)
+        direct = deferred or _sum_cannot_overflow(phi, slices, middle, self._ggn)
         target = self._ggn if direct else torch.zeros_like(self._ggn)
         assert self._layer is not None
         for sl in slices:
             block = middle(sl)
-            if not all_finite(block):
-                raise ValueError(
-                    "x: the batch gives NaN or infinite Jacobian products; the accumulated "
-                    "curvature is unchanged"
-                )
+            if deferred:
+                check_finite(block, _NOT_FINITE)
+            elif not all_finite(block):
+                raise ValueError(_NOT_FINITE)
             lastlayer_full_ggn(phi[sl], block, self._layer, target, per_block)
-        if target is not self._ggn:
-            if not all_finite(target):
-                raise ValueError(
-                    "x: the batch gives NaN or infinite Jacobian products (the sum overflowed); "
-                    "the accumulated curvature is unchanged"
-                )
-            self._ggn += target
+        if deferred:
+            check_finite(self._ggn, _OVERFLOW)
+        elif target is not self._ggn:
+            _add_checked(self._ggn, target)
 
     def _forget(self) -> None:
         """Drop what was derived from G (it changed)."""

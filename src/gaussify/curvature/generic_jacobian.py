@@ -30,6 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gaussify.curvature.subset import ParameterSubset, require_whole_tensors, select_parameters
+from gaussify.deferred_checks import check_finite_values, deferring
 from gaussify.fastpath import forward_ad_unsupported, functional_call, warn_reverse_mode
 
 __all__ = [
@@ -155,22 +156,44 @@ def _batch_fn(
 
 
 def _check_finite(block: Tensor, subset: ParameterSubset, model: nn.Module) -> None:
-    """Raise naming the first parameter tensor whose Jacobian entries are NaN or infinite."""
+    """Raise naming the first parameter tensor whose Jacobian entries are NaN or infinite.
+
+    Inside a fit's :func:`gaussify.deferred_checks.deferred_checks` scope the largest |entry|
+    of each parameter's columns is recorded instead (one ``_foreach_norm``, no host read) and
+    the same message is raised at the scope's end."""
+    if deferring():
+        parts = list(torch.split(block.detach(), list(subset.counts), dim=-1))
+        check_finite_values(
+            torch._foreach_norm(parts, float("inf")),
+            lambda i, value: nonfinite_jacobian_message(subset, model, i, value_kind(value)),
+        )
+        return
     # One reduction first (NaN/inf propagate into the sum); the per-entry scan runs only when
     # it is not finite, which keeps the check to one read of the block.
     if torch.isfinite(block.sum()) or torch.isfinite(block).all():
         return
     parts = torch.split(block, list(subset.counts), dim=-1)
-    for name, part in zip(subset.names, parts, strict=True):
+    for i, part in enumerate(parts):
         if not torch.isfinite(part).all():
-            mod_name = subset.module_of(name)
-            module = model.get_submodule(mod_name)
             kind = "NaN" if torch.isnan(part).any() else "infinite"
-            raise ValueError(
-                f"{kind} Jacobian in parameter {name!r} (module {mod_name or '<root>'!r}, "
-                f"{type(module).__name__}): the network is not differentiable at the current "
-                "parameters (e.g. sqrt or norm at zero); curvature cannot be computed"
-            )
+            raise ValueError(nonfinite_jacobian_message(subset, model, i, kind))
+
+
+def value_kind(value: Tensor) -> str:
+    """What a failed check's value (read on failure only) is: "NaN" or "infinite"."""
+    return "NaN" if bool(torch.isnan(value)) else "infinite"
+
+
+def nonfinite_jacobian_message(subset: ParameterSubset, model: nn.Module, i: int, kind: str) -> str:
+    """The error for a ``kind`` ("NaN" or "infinite") Jacobian in the subset's ``i``-th
+    parameter tensor, naming it and its module."""
+    name = subset.names[i]
+    module = subset.module_of(name)
+    return (
+        f"{kind} Jacobian in parameter {name!r} (module {module or '<root>'!r}, "
+        f"{type(model.get_submodule(module)).__name__}): the network is not differentiable "
+        "at the current parameters (e.g. sqrt or norm at zero); curvature cannot be computed"
+    )
 
 
 def model_outputs(model: nn.Module, x: Tensor, chunk_size: int | None = None) -> Tensor:

@@ -335,3 +335,37 @@ def test_a_full_ggn_whose_sum_overflows_is_refused_and_changes_nothing(subset: s
     with pytest.raises(ValueError, match=message + r".*\(batch 1 of the fit"):
         fit_curvature(curv, model, (x, y), 4)
     assert torch.equal(curv.ggn, before) and curv.num_data == 4
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full", "lowrank"])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_glm_predict_host_syncs_do_not_grow_with_the_chunks(structure: str, subset: str) -> None:
+    """The GLM predictive's per-chunk checks (the Jacobians' and the traced KFAC gradients'
+    finiteness) are recorded and tested once: 2 and 16 chunks read the device equally often
+    (main read it once per chunk on the Jacobian route and twice on the traced KFAC route)."""
+    model = _mlp(4)
+    x, y = _data("mlp", 32, 4)
+    options = {"rank": 3} if structure == "lowrank" else {}
+    la = gs.Laplace(model, "classification", structure, subset=subset, **options)
+    la.fit((x, y), batch_size=8)
+    la.predict(x[:4], chunk_size=4)  # one-time work (the posterior's factors) done first
+    counts = [_syncs(lambda: la.predict(x[:rows], chunk_size=4)) for rows in (8, 32)]  # noqa: B023
+    assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_glm_predict_names_a_nan_jacobian_found_after_the_fact(structure: str) -> None:
+    """A NaN Jacobian in the predictive's second chunk (x = 0 in RootNet) still raises the
+    message naming the parameter, now at the end of the chunks (kron: from the traced
+    gradients, which main checked per chunk and then sent to the Jacobian route)."""
+    torch.manual_seed(0)
+    model = RootNet().to(DT).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, generator=g, dtype=DT) + 0.1
+    y = torch.randint(0, 2, (16,), generator=g)
+    la = gs.Laplace(model, "classification", structure).fit((x, y), batch_size=4)
+    x_bad = x.clone()
+    x_bad[5] = 0.0
+    with pytest.raises(ValueError, match=r"^NaN Jacobian in parameter 'inp\.weight'"):
+        la.predict(x_bad, chunk_size=4)
+    assert torch.isfinite(la.predict(x, chunk_size=4).f_cov).all()

@@ -28,9 +28,12 @@ from gaussify.curvature.generic_jacobian import (
     SubsetLike,
     _check_output,
     check_eval_mode,
+    nonfinite_jacobian_message,
     resolve_subset,
+    value_kind,
 )
 from gaussify.curvature.subset import ParameterSubset
+from gaussify.deferred_checks import check_finite_values, deferring
 
 __all__ = ["linear_output_traces", "traced_jvp"]
 
@@ -227,9 +230,26 @@ def linear_output_traces(
     f, _, traces = _traces_from(model, f, captured, linears, eye.expand(f.shape[0], -1, -1))
     if {name for tr in traces for _, name in tr.params} != set(subset.names):
         return None
-    if not all(bool(torch.isfinite(tr.deltas).all()) for tr in traces):
+    if deferring():  # inside a scope (a chunked predictive): recorded, no host read
+        _record_finite_deltas(traces, subset, model)
+    elif not all(bool(torch.isfinite(tr.deltas).all()) for tr in traces):
         return None
     return f, {tr.module: tr for tr in traces}
+
+
+def _record_finite_deltas(
+    traces: list[_LinearTrace], subset: ParameterSubset, model: nn.Module
+) -> None:
+    """Record (:func:`gaussify.deferred_checks.check_finite_values`) that every trace's
+    output gradients are finite, from their largest |entry| (one ``_foreach_norm``), with the
+    generic path's message for the layer's first parameter in the subset (its Jacobian is
+    delta a^T, so a NaN or infinite delta makes it one)."""
+    maxima = torch._foreach_norm([tr.deltas.detach() for tr in traces], float("inf"))
+    index = [subset.names.index(tr.params[0][1]) for tr in traces]
+    check_finite_values(
+        maxima,
+        lambda i, value: nonfinite_jacobian_message(subset, model, index[i], value_kind(value)),
+    )
 
 
 def traced_jvp(traces: dict[str, _LinearTrace], tangents: dict[str, Tensor]) -> Tensor:

@@ -24,6 +24,7 @@ from gaussify.curvature.base import LastLayerPrecision
 from gaussify.curvature.jacobian import jacobians
 from gaussify.curvature.kron import KronPosteriorPrecision, traced_predictive
 from gaussify.curvature.lastlayer import lastlayer_jvp
+from gaussify.deferred_checks import deferred_checks
 from gaussify.fastpath import functional_call
 from gaussify.weight_space.laplace_fields import LaplaceFields
 from gaussify.weight_space.laplace_fit import features
@@ -42,6 +43,17 @@ def glm_moments(
     """Mean (N, C) and covariance (N, C, C) of the GLM predictive's latent f at ``x``, in
     chunks of ``chunk_size`` inputs (``diagonal_output``: only the C variances, on the
     diagonal of each (C, C) block)."""
+    # the per-chunk finiteness checks (Jacobians, traced gradients) recorded and tested once
+    # at the end, not read per chunk (no host sync inside the loop on a GPU)
+    with deferred_checks():
+        return _glm_chunks(la, x, chunk_size, diagonal_output)
+
+
+def _glm_chunks(
+    la: LaplaceFields, x: Tensor, chunk_size: int, diagonal_output: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`glm_moments` chunk by chunk, by the first route that applies (module
+    docstring)."""
     means, covs = [], []
     shift = la.mean - la.theta_star
     post = la.posterior

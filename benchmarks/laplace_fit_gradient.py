@@ -2,7 +2,7 @@
 side by side in ONE process:
 
     python benchmarks/laplace_fit_gradient.py [--threads 2] [--repeats 7] [--cases ...]
-        [--device cpu]
+        [--device cpu] [--structure diag|kron]
 
 ``Laplace.fit`` needs J^T r (the evidence's non-MAP correction) besides the curvature. Since
 issue 17 the diagonal's batched route adds it as one more vector of its own backward passes
@@ -19,6 +19,10 @@ curvature alone (``fit_curvature``, what ``--fits`` times) and laplace-torch's
 curvature, no gradient). Medians, per-round ratios, and in float64 the largest relative
 difference of the two sides' gradients and of each against autograd's gradient of
 sum_n log p(y_n | f_n). Writes ``benchmarks/results/laplace_fit_gradient.json``.
+
+``--structure kron``: the same for KFAC, whose B factors' batched passes take r as one more
+vector on the chain route (:mod:`gaussify.curvature.kron_gradient`); writes
+``laplace_fit_gradient_kron.json``.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ CASES = (
 )
 
 
-def _laplace(model: Any, loader: DataLoader, folded: bool = True, ef: bool = False) -> gs.Laplace:
-    la = gs.Laplace(model, "classification", "diag", "all", ef=ef)
+def _laplace(
+    model: Any, loader: DataLoader, folded: bool = True, ef: bool = False, structure: str = "diag"
+) -> gs.Laplace:
+    la = gs.Laplace(model, "classification", structure, "all", ef=ef)
     if folded:
         return la.fit(loader)
     real = laplace_fit._gradient_sink
@@ -100,28 +106,41 @@ def _data(m: str, c: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     return ds.x_train.to(dtype), ds.y_train.long()
 
 
-def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
+def _state_diff(a: Any, b: Any) -> float:
+    """The largest relative difference of two curvatures' tensors (their state dicts)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(_rel(sa[k], v) for k, v in sb.items() if isinstance(v, torch.Tensor) and v.any())
+
+
+def run_case(
+    name: str, repeats: int, device: torch.device, structure: str = "diag"
+) -> dict[str, Any]:
     m, b, c, *flavour = name.split("/")
     ef = flavour == ["ef"]
     x, y = (t.to(device) for t in _data(m, int(c), torch.float32))
     loader = DataLoader(TensorDataset(x, y), batch_size=int(b))
     model = _model(m, int(c)).to(device)
-    case = cf._case(m, int(b), int(c), "diag", "ef" if ef else "ggn", "all")
+    case = cf._case(m, int(b), int(c), structure, "ef" if ef else "ggn", "all")
     sides: dict[str, Callable[[], Any]] = {
-        "folded": lambda: _laplace(model, loader, ef=ef),
-        "separate": lambda: _laplace(model, loader, folded=False, ef=ef),
+        "folded": lambda: _laplace(model, loader, ef=ef, structure=structure),
+        "separate": lambda: _laplace(model, loader, folded=False, ef=ef, structure=structure),
         "curvature_only": lambda: fit_curvature(
-            make_curvature("diag", model, "classification", ef=ef), model, loader
+            make_curvature(structure, model, "classification", ef=ef), model, loader
         ),
     }
     for backend in ("BackPackGGN", "AsdlGGN"):
         own = _model(m, int(c)).to(device)  # BackPack's hooks: each its own model
         sides[backend] = lambda bk=backend, own=own: cf.backend_fit(case, bk, own, loader)
-    for fn in sides.values():
-        fn()
+    unavailable = {}
+    for key, fn in list(sides.items()):
+        try:
+            fn()
+        except NotImplementedError as err:  # e.g. BackPack's KFAC of the empirical Fisher
+            unavailable[key] = str(err)
+            del sides[key]
     times = cf.alternating_rounds(sides, repeats)
     med = {k: statistics.median(v) for k, v in times.items()}
-    best = min(("BackPackGGN", "AsdlGGN"), key=lambda k: med[k])
+    best = min((k for k in ("BackPackGGN", "AsdlGGN") if k in med), key=lambda k: med[k])
 
     def paired(num: str, den: str) -> float:
         return statistics.median(a / b for a, b in zip(times[num], times[den], strict=True))
@@ -129,8 +148,8 @@ def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
     model64 = _model(m, int(c)).to(device, torch.float64)
     x64, y64 = (t.to(device) for t in _data(m, int(c), torch.float64))
     ld64 = DataLoader(TensorDataset(x64, y64), batch_size=int(b))
-    folded = _laplace(model64, ld64, ef=ef)
-    separate = _laplace(model64, ld64, folded=False, ef=ef)
+    folded = _laplace(model64, ld64, ef=ef, structure=structure)
+    separate = _laplace(model64, ld64, folded=False, ef=ef, structure=structure)
     reference = _autograd_gradient(model64, x64, y64)
     return {
         "case": name,
@@ -143,7 +162,8 @@ def run_case(name: str, repeats: int, device: torch.device) -> dict[str, Any]:
         "gradient_share_before": 1 - paired("curvature_only", "separate"),
         "rel_diff_f64_folded_vs_separate": _rel(folded._grad, separate._grad),
         "rel_diff_f64_folded_vs_autograd": _rel(folded._grad, reference),
-        "rel_diff_f64_curvature": _rel(folded._curvature.ggn_diag, separate._curvature.ggn_diag),
+        "rel_diff_f64_curvature": _state_diff(folded._curvature, separate._curvature),
+        "unavailable": unavailable,
     }
 
 
@@ -153,10 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     add_device_argument(parser)
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks/results/laplace_fit_gradient.json"
-    )
+    parser.add_argument("--structure", choices=("diag", "kron"), default="diag")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.out is None:
+        suffix = "" if args.structure == "diag" else f"_{args.structure}"
+        args.out = ROOT / f"benchmarks/results/laplace_fit_gradient{suffix}.json"
     torch.set_num_threads(args.threads)
     import warnings
 
@@ -164,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     load_start = list(os.getloadavg())
     rows = []
     for name in args.cases:
-        row = run_case(name, args.repeats, args.device)
+        row = run_case(name, args.repeats, args.device, args.structure)
         rows.append(row)
         print(
             f"{name:12s} folded {row['median_s']['folded']:.4f}s separate "
@@ -179,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {
             "threads": args.threads,
             "repeats": args.repeats,
+            "structure": args.structure,
             "device": str(args.device),
             "torch": torch.__version__,
             "load_average_start": load_start,

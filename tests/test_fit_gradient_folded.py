@@ -4,7 +4,11 @@ forward and backward pass of its own): equal to autograd's gradient of sum_n log
 in float64 on every route (structured factor, dense vectors, a first convolution stopped at
 its pooling, linear chains, the empirical Fisher's own vector), and formed the old way where
 it is not folded (one vector other than the residual, a grouped convolution, a first
-convolution without a pooling after it)."""
+convolution without a pooling after it). The same for KFAC's B-factor passes
+(:mod:`gaussify.curvature.kron_gradient`): folded on chains of linear layers and, for the
+empirical Fisher (r is its one vector), on CNNs too, a convolution's gradient from its own
+weight gradient; not for the other CNN fits (it does not pay) nor where KFAC takes its
+hooked route (a grouped convolution)."""
 
 from __future__ import annotations
 
@@ -71,9 +75,21 @@ def _data(task: str, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(40, c, generator=g, dtype=DT)
 
 
+#: KFAC folds on the chain route (not the grouped convolution's hooked one) where it pays:
+#: linear chains, and the empirical Fisher's CNNs
+KRON_FOLDED = {
+    name: not name.startswith("grouped") and (name.startswith("mlp") or name.endswith("/ef"))
+    for name in CASES
+}
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fit_gradient_equals_autograd(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+def test_fit_gradient_equals_autograd(
+    monkeypatch: pytest.MonkeyPatch, name: str, structure: str
+) -> None:
     build, task, c, options, folded = CASES[name]
+    folded = folded if structure == "diag" else KRON_FOLDED[name]
     torch.manual_seed(1)
     model = build(c).to(DT).eval()
     x, y = _data(task, c)
@@ -89,7 +105,7 @@ def test_fit_gradient_equals_autograd(monkeypatch: pytest.MonkeyPatch, name: str
 
     def fitted() -> gs.Laplace:
         generator = torch.Generator().manual_seed(5)  # Monte Carlo: the same draws
-        la = gs.Laplace(model, task, "diag", "all", generator=generator, **kwargs)
+        la = gs.Laplace(model, task, structure, "all", generator=generator, **kwargs)
         return la.fit(DataLoader(TensorDataset(x, y), batch_size=10))
 
     la = fitted()
@@ -104,12 +120,15 @@ def test_fit_gradient_equals_autograd(monkeypatch: pytest.MonkeyPatch, name: str
     # the curvature is the one formed without the folded vector
     monkeypatch.setattr(laplace_fit, "_gradient_sink", lambda *args: None)
     plain = fitted()
-    torch.testing.assert_close(
-        la._curvature.ggn_diag, plain._curvature.ggn_diag, rtol=1e-12, atol=1e-300
-    )
+    expected_state, state = plain._curvature.state_dict(), la._curvature.state_dict()
+    assert expected_state.keys() == state.keys()
+    for key, value in expected_state.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-300, msg=key)
 
 
-def test_a_non_finite_folded_gradient_raises() -> None:
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_a_non_finite_folded_gradient_raises(structure: str) -> None:
     """NaN weights in the first convolution reach the outputs: the fit refuses (naming the
     outputs), as the unfolded route does, and keeps no state."""
     torch.manual_seed(1)
@@ -117,7 +136,37 @@ def test_a_non_finite_folded_gradient_raises() -> None:
     with torch.no_grad():
         model[0].weight[0, 0, 0, 0] = float("nan")
     x, y = _data("classification", 5)
-    la = gs.Laplace(model, "classification", "diag", "all")
+    la = gs.Laplace(model, "classification", structure, "all")
     with pytest.raises(ValueError, match="network outputs contain NaN"):
         la.fit(DataLoader(TensorDataset(x, y), batch_size=10))
     assert la._curvature is None
+
+
+def test_kron_fold_is_left_out_where_it_would_not_cover_the_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KFAC keeps the fit's own pass where its passes do not give every parameter's gradient:
+    a module without a Kronecker form (exact blocks: a LayerNorm) and a batch split into
+    ``chunk_size`` chunks; the gradient still equals autograd's."""
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(196, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)
+    ).to(DT)
+    x, y = _data("classification", 3)
+    passes: list[int] = []
+    real = laplace_fit.outputs_and_gradient
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        passes.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(laplace_fit, "outputs_and_gradient", counted)
+    for options, net in (({}, model.eval()), ({"chunk_size": 4}, _mlp(3).to(DT).eval())):
+        passes.clear()
+        la = gs.Laplace(net, "classification", "kron", "all", **options)
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=10))
+        assert len(passes) == 4  # its own pass for each of the 4 batches
+        net.zero_grad()
+        la.likelihood.log_prob(net(x), y).sum().backward()
+        expected = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+        torch.testing.assert_close(la._grad, expected, rtol=1e-10, atol=1e-12)

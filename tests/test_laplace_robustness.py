@@ -375,8 +375,9 @@ def test_fit_adds_at_most_one_forward_pass_and_matches_autograd(
     extra = counter.calls - own
     # generic path: one forward (with its backward) for log p(y | f) and J^T r; last-layer
     # path: none, every structure keeps its outputs and features (full, diag, kron); the
-    # diagonal of a chain: none either, J^T r is one more vector of its own backward passes
-    expected = 1 if subset == "all" and structure != "diag" else 0
+    # diagonal and KFAC of a chain: none either, J^T r is one more vector of their own
+    # backward passes
+    expected = 1 if subset == "all" and structure == "full" else 0
     assert extra == expected, (extra, own)
     # oracle: autograd on the summed log-likelihood
     names = la.subset.names

@@ -60,8 +60,10 @@ import torch
 from torch import Tensor, nn
 
 from gaussify.curvature.base import check_batch, check_offset, summed_hessian
+from gaussify.curvature.chain_diag import GradientSink
 from gaussify.curvature.jacobian import SubsetLike, resolve_subset
 from gaussify.curvature.kron_exact import EXACT_FULL_MAX, ExactBlocks
+from gaussify.curvature.kron_gradient import fold_gradient
 from gaussify.curvature.kron_grams import (
     KFACApprox,
     chain_capture,
@@ -268,14 +270,17 @@ class KronGGN:
         self._eig_cache: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
         self._basis_cache: _Basis | None = None
         self._final_only = False  # every layer is the output layer: forward without graph
-        self._kept: tuple[Tensor, Tensor] | None = None
+        self._kept: tuple[Tensor, Tensor | None] | None = None
         #: (f + offset (N, C), output-layer features phi (N, D)) of the latest ``update``
         #: when the subset is the output layer alone (one chunk), else None: lets
         #: ``Laplace.fit`` skip its own forward pass on the last-layer feature path
-        self.last_outputs: tuple[Tensor, Tensor] | None = None
+        self.last_outputs: tuple[Tensor, Tensor | None] | None = None
         #: keep ``last_outputs`` at all (``Laplace.fit`` asks for them; a bare curvature fit
         #: does not, so it holds no batch-sized tensors between updates)
         self.keep_outputs = False
+        #: set by ``Laplace.fit`` per batch: J^T r summed in the B factors' passes where the
+        #: chain route allows (:mod:`gaussify.curvature.kron_gradient`), ``added`` then set
+        self.gradient_sink: GradientSink | None = None
 
     # -- accumulation
     def _output_vectors(self, f: Tensor, y: Tensor) -> Tensor:
@@ -303,9 +308,12 @@ class KronGGN:
         offset = check_offset(offset, x.shape[0])
         step = self.chunk_size or x.shape[0]
         self.last_outputs = self._kept = None
+        # the fit's gradient folded only into a whole batch's passes at the outputs themselves
+        sink = self.gradient_sink if offset is None and step >= x.shape[0] else None
         for start in range(0, x.shape[0], step):
             sl = slice(start, start + step)
-            self._update_chunk(model, modules, x[sl], y[sl], None if offset is None else offset[sl])
+            part = None if offset is None else offset[sl]
+            self._update_chunk(model, modules, x[sl], y[sl], part, sink)
         if step >= x.shape[0]:
             self.last_outputs = self._kept
         self._kept = None  # handed over: the caller's references alone keep them alive
@@ -323,6 +331,7 @@ class KronGGN:
         x: Tensor,
         y: Tensor,
         offset: Tensor | None,
+        sink: GradientSink | None = None,
     ) -> None:
         # an nn.Sequential of supported modules: one forward pass without a graph, and the K
         # output vectors go back together (kron_grams.chain_output_grams)
@@ -348,7 +357,7 @@ class KronGGN:
             )
             self._demote(model, path)
             modules = {ly.path: model.get_submodule(ly.path) for ly in self._layers}
-            self._update_chunk(model, modules, x, y, offset)
+            self._update_chunk(model, modules, x, y, offset, sink)
             return
         if not isinstance(f, Tensor) or f.ndim != 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
@@ -356,7 +365,7 @@ class KronGGN:
         outs = [captured[ly.name][0][1] for ly in self._layers]
         if self._final_only and any(o is not f for o in outs):
             self._final_only = False  # cannot happen for one model; redo with a graph
-            self._update_chunk(model, modules, x, y, offset)
+            self._update_chunk(model, modules, x, y, offset, sink)
             return
         for ly, o in zip(self._layers, outs, strict=True):
             if chained is None and o is not f and not o.requires_grad:
@@ -404,9 +413,21 @@ class KronGGN:
                 source = vecs if vecs is not None else sqrt_factor(self.likelihood, at)
                 source = self._rows_vectors(at, y) if source is None else source
                 paths = [ly.path for ly, _ in inner]
-                chain_output_grams(
-                    model, chained[0], paths, source, self.kfac_approx, self._b, None, storage
-                )
+                run = chained[0]
+                folded = None
+                if not self._exact.names:  # every parameter in a layer: J^T r from the passes
+                    layers = [ly for ly, _ in inner]
+                    folded = fold_gradient(sink, model, self.subset, run, layers, at, self.ef)
+                added = chain_output_grams(
+                    model, run, paths, source, self.kfac_approx, self._b, None, storage,
+                    None if folded is None else folded.chain,
+                )  # fmt: skip
+                if folded is not None and added:
+                    assert sink is not None
+                    for ly in final:
+                        folded.add_final(modules[ly.path], ly, captured[ly.name][0][0])
+                    folded.finish(sink, self.subset)
+                    self._kept = (at, None)  # the outputs, for Laplace.fit's log-likelihood
             for k in range(num):
                 assert vecs is not None
                 # One backward pass per output vector keeps memory at one batch of

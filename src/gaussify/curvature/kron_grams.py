@@ -12,6 +12,7 @@ backward pass (:func:`chain_output_grams`) instead of K autograd passes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,7 +33,9 @@ from gaussify.curvature.patches import conv2d_patches
 from gaussify.curvature.sqrt_factor import SqrtFactor
 
 __all__ = [
+    "ChainGradient",
     "KFACApprox",
+    "add_layer_gradient",
     "augment",
     "chain_capture",
     "chain_input_budget",
@@ -119,7 +122,8 @@ def chain_output_grams(
     out: dict[str, Tensor],
     chunk_size: int | None,
     storage: int,
-) -> None:
+    gradient: ChainGradient | None = None,
+) -> bool:
     """Add sum_{k,n} g g^T of the output vectors ``vecs`` (K, N, C), or ``vecs(rows)`` (K, B, C)
     formed per chunk of samples, backpropagated to the
     outputs of the modules ``paths`` into ``out[path]``, with one K-batched backward pass
@@ -127,7 +131,11 @@ def chain_output_grams(
     :func:`gaussify.curvature.batched_backward.rule_chunk`). ``vecs`` may be a structured
     factor of the whole batch (:class:`gaussify.curvature.sqrt_factor.SqrtFactor`, for a
     chain ending with an ``nn.Linear`` not among ``paths``: the exact GGN's C vectors in
-    2 C numbers per sample, their product with the final weight in O(C d))."""
+    2 C numbers per sample, their product with the final weight in O(C d)).
+
+    ``gradient``: J^T r of these modules' parameters summed into its views from the same
+    passes (:class:`ChainGradient`: r as one more vector, or the one vector itself); returns
+    whether it was (not where the K vectors must be split into groups)."""
     n = run.output.shape[0]
     wanted = {run.position(p): p for p in paths}
     structured = isinstance(vecs, SqrtFactor)
@@ -140,7 +148,13 @@ def chain_output_grams(
     else:
         k = vecs(slice(0, 1)).shape[0] if callable(vecs) else vecs.shape[0]
     flags = {"structured": structured}
-    chunk = chunk_size or rule_chunk(run, model, k, storage, rowwise=rowwise, floor=0, **flags)
+    extra = int(gradient is not None and gradient.residual is not None)
+    chunk = chunk_size or rule_chunk(
+        run, model, k + extra, storage, rowwise=rowwise, floor=0, **flags
+    )
+    if gradient is not None and chunk == 0:  # groups of vectors: the gradient is not folded
+        gradient, extra = None, 0
+        chunk = rule_chunk(run, model, k, storage, rowwise=rowwise, floor=0, **flags)
     cols = k
     if chunk == 0:  # one sample with all K vectors exceeds the rule: groups of K' vectors
         chunk, cols = 1, rule_columns(run, model, k, storage, rowwise=rowwise, **flags)
@@ -148,11 +162,64 @@ def chain_output_grams(
         rows = slice(start, min(start + chunk, n))
         for c0 in range(0, k, cols):
             u = _vectors(vecs, rows, c0, min(c0 + cols, k), k).to(run.output.dtype)
-            for i, d in backward_chunk(run, u, list(wanted), rows):
+            r = None
+            if gradient is not None and gradient.residual is not None:
+                r = gradient.residual[rows].unsqueeze(1).to(run.output.dtype)
+                u = u if isinstance(u, SqrtFactor) else torch.cat([u, r], 1)
+            tail = r if isinstance(u, SqrtFactor) else None  # after the factor's product
+            for i, d in backward_chunk(run, u, list(wanted), rows, extra=tail):
                 assert isinstance(d, Tensor)
-                g = layer_output_grads(run.chain[i][1], d.reshape(-1, *d.shape[2:]))
+                module = run.chain[i][1]
+                dk = d[:, :k] if extra else d
+                g = layer_output_grads(module, dk.reshape(-1, *d.shape[2:]))
                 gram(g, approx, "sum", out=out[wanted[i]])
+                if gradient is not None:  # r's own column, or the one vector r itself
+                    own = d[:, k] if extra else d[:, 0]
+                    add_layer_gradient(module, own, run.acts[i][rows], gradient.views[i])
             del u
+    return gradient is not None
+
+
+@dataclass
+class ChainGradient:
+    """J^T r of the log-likelihood (``Laplace.fit``'s gradient) summed into KFAC's batched
+    backward passes (:func:`chain_output_grams`): ``residual`` r (N, C), propagated as one
+    more vector after the K, or None where the one vector is r itself (the empirical Fisher);
+    ``views``: chain position -> {"weight": view, "bias": view} of the flat gradient."""
+
+    residual: Tensor | None
+    views: dict[int, dict[str, Tensor]]
+
+
+def add_layer_gradient(
+    module: nn.Module, grad_out: Tensor, inp: Tensor, views: dict[str, Tensor]
+) -> None:
+    """Add the summed weight and bias gradients of an ``nn.Linear`` / ``nn.Conv2d`` with
+    input ``inp`` and output gradient ``grad_out`` (one vector per sample) to ``views``:
+    g^T a for a linear layer, the convolution's own weight gradient
+    (``torch.nn.grad.conv2d_weight``) for a convolution; the bias gets the summed g."""
+    if isinstance(module, nn.Conv2d):
+        if "weight" in views:
+            w = views["weight"]
+            gw = torch.nn.grad.conv2d_weight(
+                inp.to(grad_out.dtype),
+                module.weight.shape,
+                grad_out,
+                module.stride,
+                module.padding,  # type: ignore[arg-type]
+                module.dilation,
+                module.groups,
+            )
+            w.add_(gw.to(w.dtype))
+        if "bias" in views:
+            views["bias"].add_(grad_out.sum((0, 2, 3)).to(views["bias"].dtype))
+        return
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    if "weight" in views:
+        w = views["weight"]
+        w.addmm_(g.T.to(w.dtype), inp.reshape(-1, inp.shape[-1]).to(w.dtype))
+    if "bias" in views:
+        views["bias"].add_(g.sum(0).to(views["bias"].dtype))
 
 
 def _vectors(

@@ -238,9 +238,9 @@ def squared_vjp_sum(
     chained = None
     if covered == set(subset.names):
         # the K vectors in one batched backward pass (an nn.Sequential of supported modules)
-        views = _param_views(model, subset, out)
+        views = param_views(model, subset, out)
         if gradient is not None:
-            gradient.view = _param_views(model, subset, gradient.out)
+            gradient.view = param_views(model, subset, gradient.out)
         chained = chain_squared_sums(
             model,
             x,
@@ -340,7 +340,7 @@ def _add_squared_sums(
 ) -> Tensor:
     """One pass of :func:`squared_vjp_sum` over ``x``, added into ``out`` (P,); returns f."""
     named = dict(model.named_parameters())
-    view = _param_views(model, subset, out)
+    view = param_views(model, subset, out)
     f, captured = _traced_forward(model, x, linears)
     u = cotangents(f.detach()) if callable(cotangents) else cotangents
     f, u, traces = _traces_from(model, f, captured, linears, u, backward=False)
@@ -361,7 +361,7 @@ def _add_squared_sums(
     return f
 
 
-def _param_views(model: nn.Module, subset: ParameterSubset, out: Tensor) -> Callable[[str], Tensor]:
+def param_views(model: nn.Module, subset: ParameterSubset, out: Tensor) -> Callable[[str], Tensor]:
     """name -> the view of the flat ``out`` (P,) holding that parameter, in its shape."""
     named = dict(model.named_parameters())
     offsets = dict(zip(subset.names, _offsets(subset), strict=True))

@@ -75,6 +75,20 @@ def _data(task: str, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(40, c, generator=g, dtype=DT)
 
 
+def _count_own_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for each forward and backward pass of the fit's own
+    (``laplace_fit.outputs_and_gradient``, the route of a gradient that is not folded)."""
+    passes: list[int] = []
+    real = laplace_fit.outputs_and_gradient
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        passes.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(laplace_fit, "outputs_and_gradient", counted)
+    return passes
+
+
 #: KFAC folds on the chain route (not the grouped convolution's hooked one) where it pays:
 #: linear chains, and the empirical Fisher's CNNs
 KRON_FOLDED = {
@@ -93,14 +107,7 @@ def test_fit_gradient_equals_autograd(
     torch.manual_seed(1)
     model = build(c).to(DT).eval()
     x, y = _data(task, c)
-    passes: list[int] = []
-    real = laplace_fit.outputs_and_gradient
-
-    def counted(*args):  # type: ignore[no-untyped-def]
-        passes.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(laplace_fit, "outputs_and_gradient", counted)
+    passes = _count_own_passes(monkeypatch)
     kwargs = {**options, **({"sigma_noise": 0.7} if task == "regression" else {})}
 
     def fitted() -> gs.Laplace:
@@ -153,14 +160,7 @@ def test_kron_fold_is_left_out_where_it_would_not_cover_the_gradient(
         nn.Flatten(), nn.Linear(196, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)
     ).to(DT)
     x, y = _data("classification", 3)
-    passes: list[int] = []
-    real = laplace_fit.outputs_and_gradient
-
-    def counted(*args):  # type: ignore[no-untyped-def]
-        passes.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(laplace_fit, "outputs_and_gradient", counted)
+    passes = _count_own_passes(monkeypatch)
     for options, net in (({}, model.eval()), ({"chunk_size": 4}, _mlp(3).to(DT).eval())):
         passes.clear()
         la = gs.Laplace(net, "classification", "kron", "all", **options)

@@ -112,6 +112,7 @@ def test_rule_margin_is_wider_on_cuda() -> None:
     by the test above where a GPU is present."""
     assert rule_margin(torch.device("cpu")) == 3
     assert rule_margin(torch.device("cuda")) == 5
+    assert rule_margin(torch.device("mps")) == 5  # not measured: the wider margin
 
 
 def test_rule_columns_is_the_most_vectors_one_sample_fits() -> None:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gaussify as gs
+import gaussify.deferred_checks as deferred_checks_module
 from gaussify.curvature import make_curvature
 from gaussify.curvature.fitting import fit_curvature
 from gaussify.deferred_checks import (
@@ -20,6 +21,7 @@ from gaussify.deferred_checks import (
     check_range,
     deferred_checks,
     deferring,
+    deferring_on,
 )
 from gaussify.host_syncs import HostSyncs
 
@@ -58,6 +60,22 @@ def _syncs(fn) -> int:  # type: ignore[no-untyped-def]
     return mode.count
 
 
+def _as_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks added for the GPU (the full GGN's, the generic Jacobian's, the traced KFAC
+    predictive's) defer on accelerators only (``deferring_on``: on the CPU a host read is
+    cheap and the records fragmented the heap); here the CPU is made to take the
+    accelerators' route, which is the one these tests are about."""
+    monkeypatch.setattr(deferred_checks_module, "DEFER_ON_CPU", True)
+
+
+def test_deferring_on_accelerators_only() -> None:
+    """``deferring_on``: inside a scope on an accelerator, not on the CPU, never outside."""
+    with deferred_checks():
+        assert deferring_on(torch.device("cuda"))
+        assert not deferring_on(torch.device("cpu"))
+    assert not deferring_on(torch.device("cuda"))
+
+
 # ---------------------------------------------------------------------- the sync count
 
 
@@ -78,13 +96,14 @@ def _fit_syncs_over_2_and_8_batches(model_name: str, fit) -> list[int]:  # type:
 @pytest.mark.parametrize("ef", [False, True])
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
 def test_curvature_fit_host_syncs_do_not_grow_with_the_batches(
-    model_name: str, structure: str, ef: bool, subset: str
+    monkeypatch: pytest.MonkeyPatch, model_name: str, structure: str, ef: bool, subset: str
 ) -> None:
     """A fit of 2 and of 8 batches reads the device the same number of times (one test of
     all the batches' checks at the end), where the per-batch checks read it several times per
     batch (the outputs' and labels' checks, the diagonal's finiteness and overflow tests; the
     full GGN's products and, on the last layer, its features, middles and sum: main read the
-    device twice per batch there)."""
+    device twice per batch there; on an accelerator, ``_as_on_an_accelerator``)."""
+    _as_on_an_accelerator(monkeypatch)
 
     def fit(model: nn.Module, x: Tensor, y: Tensor) -> None:
         loader = DataLoader(TensorDataset(x, y), batch_size=4)
@@ -218,12 +237,13 @@ class RootNet(nn.Module):
     ],
 )
 def test_a_failed_check_names_its_parameter_and_batch_and_changes_nothing(
-    fit: str, structure: str
+    monkeypatch: pytest.MonkeyPatch, fit: str, structure: str
 ) -> None:
     """A NaN Jacobian in the third batch (x = 0 in RootNet) raises the per-batch message
     naming the parameter, located after the fact and with the batch named; the curvature
     (fit_curvature: set back to its earlier state) or the Laplace (its old fit) is as it was
     (low rank: its diagonal is checked in the same place as the diagonal structure's)."""
+    _as_on_an_accelerator(monkeypatch)
     torch.manual_seed(0)
     model = RootNet().to(DT).eval()
     g = torch.Generator().manual_seed(0)
@@ -314,10 +334,16 @@ def test_a_scope_reads_once_and_raises_the_first_failure_in_recording_order() ->
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
-def test_a_full_ggn_whose_sum_overflows_is_refused_and_changes_nothing(subset: str) -> None:
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_a_full_ggn_whose_sum_overflows_is_refused_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, subset: str, accelerator: bool
+) -> None:
     """Finite products whose squares overflow float64 (inputs of 1e160): a lone ``update``
     refuses the batch with G unchanged (main added it and returned an infinite G), and a fit
-    (checks deferred, the batch added directly) raises with the batch named and sets G back."""
+    raises and sets G back: on the CPU at once, on an accelerator (checks deferred, the batch
+    added directly) at the end with the batch named."""
+    if accelerator:
+        _as_on_an_accelerator(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).to(DT)
     g = torch.Generator().manual_seed(0)
@@ -332,17 +358,22 @@ def test_a_full_ggn_whose_sum_overflows_is_refused_and_changes_nothing(subset: s
         curv.update(model, x[4:8], y[4:8])
     assert torch.equal(curv.ggn, before) and torch.isfinite(curv.ggn).all()
     assert curv.num_data == 4
-    with pytest.raises(ValueError, match=message + r".*\(batch 1 of the fit"):
+    named = r".*\(batch 1 of the fit" if accelerator else ""
+    with pytest.raises(ValueError, match=message + named):
         fit_curvature(curv, model, (x, y), 4)
     assert torch.equal(curv.ggn, before) and curv.num_data == 4
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron", "full", "lowrank"])
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
-def test_glm_predict_host_syncs_do_not_grow_with_the_chunks(structure: str, subset: str) -> None:
+def test_glm_predict_host_syncs_do_not_grow_with_the_chunks(
+    monkeypatch: pytest.MonkeyPatch, structure: str, subset: str
+) -> None:
     """The GLM predictive's per-chunk checks (the Jacobians' and the traced KFAC gradients'
     finiteness) are recorded and tested once: 2 and 16 chunks read the device equally often
-    (main read it once per chunk on the Jacobian route and twice on the traced KFAC route)."""
+    (main read it once per chunk on the Jacobian route and twice on the traced KFAC route;
+    on an accelerator, ``_as_on_an_accelerator``)."""
+    _as_on_an_accelerator(monkeypatch)
     model = _mlp(4)
     x, y = _data("mlp", 32, 4)
     options = {"rank": 3} if structure == "lowrank" else {}

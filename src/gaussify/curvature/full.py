@@ -38,7 +38,7 @@ from gaussify.curvature.lastlayer import (
     lastlayer_full_ggn,
 )
 from gaussify.curvature.subset import expand_prior
-from gaussify.deferred_checks import check_finite, deferring
+from gaussify.deferred_checks import check_finite, deferring_on
 from gaussify.likelihoods import Likelihood, all_finite
 from gaussify.memory_guard import check_allocation
 from gaussify.state import (
@@ -433,10 +433,10 @@ class FullGGN(GaussNewtonCurvature):
             return
         k = self._num_factors(f.shape[1])
         single = self._chunk(f.shape[0], k * self.subset.support.num_params) >= f.shape[0]
-        # inside a fit's deferred_checks scope the checks are recorded (no host read per
-        # batch) and the batch is added directly: the fit sets the state back on failure
-        deferred = deferring()
-        target = self._ggn if single or deferred else torch.zeros_like(self._ggn)
+        # on an accelerator, inside a fit's deferred_checks scope, the checks are recorded
+        # (no host read per batch; the fit sets the state back on failure)
+        deferred = deferring_on(self._ggn.device)
+        target = self._ggn if single else torch.zeros_like(self._ggn)
         for block in self._products(model, x, y, f, phi, draws):
             flat = block.reshape(-1, block.shape[-1]).to(self._ggn.dtype)
             if deferred:
@@ -450,6 +450,8 @@ class FullGGN(GaussNewtonCurvature):
                     target = torch.zeros_like(self._ggn)
             syrk_lower_(target, flat, self._blocks)
         if deferred:  # finite products whose squares overflowed the sum
+            if target is not self._ggn:
+                self._ggn += target
             check_finite(self._ggn, _OVERFLOW)
         elif target is not self._ggn:
             _add_checked(self._ggn, target)
@@ -470,7 +472,7 @@ class FullGGN(GaussNewtonCurvature):
         cheap pass over the (B, C, C) middles) no entry can overflow, so the chunks are added
         to G directly. Otherwise they are summed into a (P, P) temporary, checked, then
         added, so a failing batch leaves G unchanged."""
-        deferred = deferring()  # checks recorded, the batch added directly (see update)
+        deferred = deferring_on(self._ggn.device)  # checks recorded, the batch added directly
         if deferred:
             check_finite(phi, _FEATURES_NOT_FINITE)
         elif not all_finite(phi):

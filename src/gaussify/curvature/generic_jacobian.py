@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from gaussify.curvature.subset import ParameterSubset, require_whole_tensors, select_parameters
-from gaussify.deferred_checks import check_finite_values, deferring
+from gaussify.deferred_checks import check_finite_values, deferring_on
 from gaussify.fastpath import forward_ad_unsupported, functional_call, warn_reverse_mode
 
 __all__ = [
@@ -158,13 +158,17 @@ def _batch_fn(
 def _check_finite(block: Tensor, subset: ParameterSubset, model: nn.Module) -> None:
     """Raise naming the first parameter tensor whose Jacobian entries are NaN or infinite.
 
-    Inside a fit's :func:`gaussify.deferred_checks.deferred_checks` scope the largest |entry|
-    of each parameter's columns is recorded instead (one ``_foreach_norm``, no host read) and
-    the same message is raised at the scope's end."""
-    if deferring():
-        parts = list(torch.split(block.detach(), list(subset.counts), dim=-1))
+    On an accelerator inside a :func:`gaussify.deferred_checks.deferred_checks` scope
+    (:func:`gaussify.deferred_checks.deferring_on`) the largest |entry|
+    of each parameter's columns is recorded instead (no host read) and the same message is
+    raised at the scope's end: per column max(max, -min) over the rows (NaN and +-inf reach
+    it), then one ``_foreach_max`` over the parameters' column ranges. Only P-sized
+    temporaries: the block is not copied (its columns split per parameter are strided)."""
+    if deferring_on(block.device):
+        flat = block.detach().reshape(-1, block.shape[-1])
+        top = torch.maximum(flat.amax(0), flat.amin(0).neg())
         check_finite_values(
-            torch._foreach_norm(parts, float("inf")),
+            torch._foreach_max(list(torch.split(top, list(subset.counts)))),
             lambda i, value: nonfinite_jacobian_message(subset, model, i, value_kind(value)),
         )
         return

@@ -33,7 +33,7 @@ from gaussify.curvature.generic_jacobian import (
     value_kind,
 )
 from gaussify.curvature.subset import ParameterSubset
-from gaussify.deferred_checks import check_finite_values, deferring
+from gaussify.deferred_checks import check_finite_values, deferring_on
 
 __all__ = ["linear_output_traces", "traced_jvp"]
 
@@ -230,7 +230,7 @@ def linear_output_traces(
     f, _, traces = _traces_from(model, f, captured, linears, eye.expand(f.shape[0], -1, -1))
     if {name for tr in traces for _, name in tr.params} != set(subset.names):
         return None
-    if deferring():  # inside a scope (a chunked predictive): recorded, no host read
+    if deferring_on(f.device):  # an accelerator, inside a scope: recorded, no host read
         _record_finite_deltas(traces, subset, model)
     elif not all(bool(torch.isfinite(tr.deltas).all()) for tr in traces):
         return None

@@ -491,11 +491,14 @@ class FullGGN(GaussNewtonCurvature):
             factor = self._factor(f[sl], y[sl], None if draws is None else draws[:, sl])
             return factor @ factor.mT
 
-        direct = deferred or _sum_cannot_overflow(phi, slices, middle, self._ggn)
+        # one chunk (the usual case): its middles formed once, for the bound and the sum
+        first = middle(slices[0]) if len(slices) == 1 and not deferred else None
+        bounded = middle if first is None else (lambda sl: first)
+        direct = deferred or _sum_cannot_overflow(phi, slices, bounded, self._ggn)
         target = self._ggn if direct else torch.zeros_like(self._ggn)
         assert self._layer is not None
         for sl in slices:
-            block = middle(sl)
+            block = middle(sl) if first is None else first
             if deferred:
                 check_finite(block, _NOT_FINITE)
             elif not all_finite(block):

@@ -272,8 +272,9 @@ class KronGGN:
         self._final_only = False  # every layer is the output layer: forward without graph
         self._kept: tuple[Tensor, Tensor | None] | None = None
         #: (f + offset (N, C), output-layer features phi (N, D)) of the latest ``update``
-        #: when the subset is the output layer alone (one chunk), else None: lets
-        #: ``Laplace.fit`` skip its own forward pass on the last-layer feature path
+        #: when the subset is the output layer alone (one chunk), (f, None) where the fit's
+        #: gradient was folded (``gradient_sink``), else None: lets ``Laplace.fit`` skip its
+        #: own forward pass
         self.last_outputs: tuple[Tensor, Tensor | None] | None = None
         #: keep ``last_outputs`` at all (``Laplace.fit`` asks for them; a bare curvature fit
         #: does not, so it holds no batch-sized tensors between updates)

@@ -318,6 +318,12 @@ def _max_abs(t: Tensor) -> float:
     return max(-float(lo), float(hi)) if not bool(torch.isnan(lo)) else math.nan
 
 
+def _cannot_overflow(bound: float, out: Tensor) -> bool:
+    """Whether out + T stays finite for any T with |entries| <= ``bound``: kept below 1/4 of
+    the dtype's largest number (False for a NaN bound)."""
+    return bound + _max_abs(out) < 0.25 * torch.finfo(out.dtype).max
+
+
 def _sum_cannot_overflow(
     phi: Tensor, slices: list[slice], middle: Callable[[slice], Tensor], out: Tensor
 ) -> bool:
@@ -331,12 +337,10 @@ def _sum_cannot_overflow(
         if not math.isfinite(bound):
             return False
         total += (sl.stop - sl.start) * bound
-    limit = 0.25 * torch.finfo(out.dtype).max
     top = _max_abs(phi)
-    if not top < math.sqrt(limit):  # phi^2 itself must be representable too (and not NaN)
+    if not top < math.sqrt(0.25 * torch.finfo(out.dtype).max):  # phi^2 representable, not NaN
         return False
-    scale = max(top * top, 1.0)
-    return total * scale + _max_abs(out) < limit
+    return _cannot_overflow(total * max(top * top, 1.0), out)
 
 
 def check_diagonal(diag: Tensor, subset: ParameterSubset, model: nn.Module) -> None:

@@ -38,6 +38,7 @@ from gaussify.curvature.sqrt_factor import SqrtFactor
 
 __all__ = [
     "ChainPass",
+    "add_layer_gradient",
     "backward_chunk",
     "backward_peak",
     "chain_forward",
@@ -275,6 +276,37 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
         z.requires_grad_(True)
         (grad,) = torch.autograd.grad(m(z), z, g.reshape(b * k, *g.shape[2:]))
     return grad.view(b, k, *a.shape[1:])
+
+
+def add_layer_gradient(
+    module: nn.Module, grad_out: Tensor, inp: Tensor, views: dict[str, Tensor]
+) -> None:
+    """Add the summed weight and bias gradients of an ``nn.Linear`` / ``nn.Conv2d`` with
+    input ``inp`` and output gradient ``grad_out`` (one vector per sample) to ``views``:
+    g^T a for a linear layer, the convolution's own weight gradient
+    (``torch.nn.grad.conv2d_weight``) for a convolution; the bias gets the summed g."""
+    if isinstance(module, nn.Conv2d):
+        if "weight" in views:
+            w = views["weight"]
+            gw = torch.nn.grad.conv2d_weight(
+                inp.to(grad_out.dtype),
+                module.weight.shape,
+                grad_out,
+                module.stride,
+                module.padding,  # type: ignore[arg-type]
+                module.dilation,
+                module.groups,
+            )
+            w.add_(gw.to(w.dtype))
+        if "bias" in views:
+            views["bias"].add_(grad_out.sum((0, 2, 3)).to(views["bias"].dtype))
+        return
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    if "weight" in views:
+        w = views["weight"]
+        w.addmm_(g.T.to(w.dtype), inp.reshape(-1, inp.shape[-1]).to(w.dtype))
+    if "bias" in views:
+        views["bias"].add_(g.sum(0).to(views["bias"].dtype))
 
 
 def _weight(run: ChainPass, i: int, dtype: torch.dtype) -> Tensor:

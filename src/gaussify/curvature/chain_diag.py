@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from gaussify.curvature.batched_backward import (
     ChainPass,
+    add_layer_gradient,
     backward_chunk,
     backward_peak,
     chain_forward,
@@ -502,7 +503,7 @@ def _accumulate_squares(
             _add_linear_squares(targets[last], final, run.acts[last])
         del final
         if sink is not None and not sink.shared:  # the final layer's gradient, once
-            _add_linear_gradient(grads[last], sink.residual, run.acts[last])
+            add_layer_gradient(run.chain[last][1], sink.residual, run.acts[last], grads[last])
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         whole = vectors(rows)
@@ -687,11 +688,11 @@ def _reduce_chunk(
         r = None
         if grads is not None and shared:  # the one vector is the residual
             if i in linear:
-                _add_linear_gradient(grads[i], d[:, 0], run.acts[i][rows])
+                add_layer_gradient(run.chain[i][1], d[:, 0], run.acts[i][rows], grads[i])
         elif grads is not None:  # the residual's gradient, then the K vectors' squares
             d, r = d[:, :-1], d[:, -1]
             if i in linear:
-                _add_linear_gradient(grads[i], r, run.acts[i][rows])
+                add_layer_gradient(run.chain[i][1], r, run.acts[i][rows], grads[i])
         if i in linear:
             if buffered and first and d.shape[1] == 1:  # one vector: its square, one product
                 torch.mul(d[:, 0], d[:, 0], out=squares[i][rows])
@@ -768,16 +769,6 @@ def _add_maxima_squares(
         b.add_((per * per).sum((0, 1)).to(b.dtype))
         if grads is not None and r is not None:
             grads["bias"].add_(r.sum((0, 2)).to(grads["bias"].dtype))
-
-
-def _add_linear_gradient(views: dict[str, Tensor], r: Tensor, a: Tensor) -> None:
-    """Add r^T a (the summed weight gradient of the vectors r (B, out) at inputs a (B, in)) to
-    a linear layer's weight view and sum_n r_n to its bias view."""
-    if "weight" in views:
-        w = views["weight"]
-        w.addmm_(r.T.to(w.dtype), a.to(w.dtype))
-    if "bias" in views:
-        views["bias"].add_(r.sum(0).to(views["bias"].dtype))
 
 
 def _add_linear_squares(views: dict[str, Tensor], sq: Tensor, a: Tensor) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from gaussify import draws
 from gaussify.curvature.base import (
     GaussNewtonCurvature,
+    _cannot_overflow,
     _max_abs,
     _sum_cannot_overflow,
     as_hyperparameter,
@@ -71,12 +72,6 @@ FULL_ALTERNATIVES = (
     "structure='diag', 'kron' or 'lowrank', or a smaller subset ('last_layer', named "
     "modules, or a subnetwork of individual weights)"
 )
-
-
-def _cannot_overflow(bound: float, ggn: Tensor) -> bool:
-    """Whether G + T stays finite for any T with |entries| <= ``bound``: kept below 1/4 of
-    the dtype's largest number."""
-    return bound + _max_abs(ggn) < 0.25 * torch.finfo(ggn.dtype).max
 
 
 def _add_checked(ggn: Tensor, term: Tensor) -> None:

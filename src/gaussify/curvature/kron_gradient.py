@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from gaussify.curvature.batched_backward import ChainPass
+from gaussify.curvature.batched_backward import ChainPass, add_layer_gradient
 from gaussify.curvature.chain_diag import GradientSink
-from gaussify.curvature.kron_grams import ChainGradient, add_layer_gradient
+from gaussify.curvature.kron_grams import ChainGradient
 from gaussify.curvature.kron_modules import _Layer
 from gaussify.curvature.per_sample import param_views
 from gaussify.curvature.subset import ParameterSubset

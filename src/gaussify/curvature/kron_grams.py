@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gaussify.curvature.batched_backward import (
     ChainPass,
+    add_layer_gradient,
     backward_chunk,
     chain_forward,
     module_chain,
@@ -35,7 +36,6 @@ from gaussify.curvature.sqrt_factor import SqrtFactor
 __all__ = [
     "ChainGradient",
     "KFACApprox",
-    "add_layer_gradient",
     "augment",
     "chain_capture",
     "chain_input_budget",
@@ -189,37 +189,6 @@ class ChainGradient:
 
     residual: Tensor | None
     views: dict[int, dict[str, Tensor]]
-
-
-def add_layer_gradient(
-    module: nn.Module, grad_out: Tensor, inp: Tensor, views: dict[str, Tensor]
-) -> None:
-    """Add the summed weight and bias gradients of an ``nn.Linear`` / ``nn.Conv2d`` with
-    input ``inp`` and output gradient ``grad_out`` (one vector per sample) to ``views``:
-    g^T a for a linear layer, the convolution's own weight gradient
-    (``torch.nn.grad.conv2d_weight``) for a convolution; the bias gets the summed g."""
-    if isinstance(module, nn.Conv2d):
-        if "weight" in views:
-            w = views["weight"]
-            gw = torch.nn.grad.conv2d_weight(
-                inp.to(grad_out.dtype),
-                module.weight.shape,
-                grad_out,
-                module.stride,
-                module.padding,  # type: ignore[arg-type]
-                module.dilation,
-                module.groups,
-            )
-            w.add_(gw.to(w.dtype))
-        if "bias" in views:
-            views["bias"].add_(grad_out.sum((0, 2, 3)).to(views["bias"].dtype))
-        return
-    g = grad_out.reshape(-1, grad_out.shape[-1])
-    if "weight" in views:
-        w = views["weight"]
-        w.addmm_(g.T.to(w.dtype), inp.reshape(-1, inp.shape[-1]).to(w.dtype))
-    if "bias" in views:
-        views["bias"].add_(g.sum(0).to(views["bias"].dtype))
 
 
 def _vectors(

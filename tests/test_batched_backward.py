@@ -388,6 +388,53 @@ def test_conv_squared_grads_in_groups_of_vectors_equal_the_brute_force(groups: i
     assert conv_vector_group(nn.Conv2d(1, 4, 3), k, 4 * 16) == k  # small weight: all K
 
 
+def test_conv_vector_groups_are_even() -> None:
+    """At most K out / weight vectors per group, in as few groups as that allows and as
+    even as their count allows: 9 vectors with at most 4 per group (16 -> 16 channels, 3 x 3
+    kernel, 8 x 8 outputs: 9 * 1024 // 2304 = 4) go as 3 + 3 + 3, not 4 + 4 + 1; 16 with at
+    most 7 as 6 + 6 + 4."""
+    from gaussify.curvature.batched_backward import conv_vector_group
+
+    conv = nn.Conv2d(16, 16, 3, padding=1)
+    assert conv_vector_group(conv, 9, 16 * 64) == 3
+    assert conv_vector_group(conv, 16, 16 * 64) == 6
+    assert conv_vector_group(conv, 1, 16 * 64) == 1
+    for k in range(1, 40):
+        step = conv_vector_group(conv, k, 16 * 64)
+        most = max(1, min(k, k * 16 * 64 // conv.weight.numel()))
+        assert step <= most and -(-k // step) == -(-k // most)
+
+
+def test_relu_output_read_only_as_a_mask_is_kept_as_the_mask() -> None:
+    """A ReLU whose output only the ReLU's derivative reads (a max-pooling follows) keeps its
+    boolean mask, not its values (a quarter of a float32 activation); a ReLU feeding a
+    convolution keeps its output (the convolution's patches read it). The memory rule counts
+    the mask for the pass and the full output for a training step (autograd saves it), and
+    the backward pass through the pooling and the ReLU equals autograd's."""
+    from gaussify.curvature.batched_backward import _held_activations, backward_chunk
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(5, 1, 4, 4, dtype=torch.float64)
+    run = chain_forward(list(model.named_children()), x)
+    assert run.acts[4].is_meta and set(run.masks) == {3}  # the pooling's input: a mask
+    assert run.masks[3].dtype == torch.bool
+    assert not run.acts[2].is_meta  # the second convolution's input: its values
+    indices = 4 * 2 * 2  # the pooling's int64 indices, one float64 element each
+    assert _held_activations(run)[4] == indices
+    assert _held_activations(run, training=True)[4] == 4 * 4 * 4 + indices
+    u = torch.randn(5, 2, 3, dtype=torch.float64)
+    grads = dict(backward_chunk(run, u, [0, 2], slice(0, 5)))
+    out = model[:4](x)
+    pooled = model[4:](out)
+    for j in range(2):
+        (expected,) = torch.autograd.grad(pooled, out, u[:, j], retain_graph=True)
+        torch.testing.assert_close(grads[2][:, j], expected * (out > 0), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("kernel", "padding", "dilation"),
     [(3, 0, 1), (3, 1, 1), (3, 2, 1), (3, 1, 2), (3, 4, 2), ((2, 3), (1, 0), (2, 1)), (3, 3, 1)],

@@ -186,6 +186,12 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ),
     # curvature/base.py
     ("as_hyperparameter", "torch.as_tensor"): (1, INPUT),
+    # host_heap.py
+    ("keep_freed_memory", "torch.empty"): (
+        1,
+        "an untouched host block freed at once, only for a CPU pass: it sets the C heap's "
+        "thresholds (glibc), not data",
+    ),
     # curvature/diag.py
     ("DiagGGN.state_dict", "torch.tensor"): (1, COUNT),
     # curvature/full.py

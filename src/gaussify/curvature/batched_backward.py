@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gaussify.curvature.sqrt_factor import SqrtFactor
+from gaussify.host_heap import keep_freed_memory
 
 __all__ = [
     "ChainPass",
@@ -174,9 +175,12 @@ class ChainPass:
 def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
     """Run the chain on ``x`` without a graph, keeping the module inputs whose values the
     backward pass reads (:func:`_needed`; the others become shape-only ``meta`` tensors, so
-    the pass holds about what a training step saves)."""
+    the pass holds about what a training step saves). A ReLU output read only for the ReLU's
+    derivative (the next module is not a linear layer or convolution, e.g. a max-pooling)
+    is kept as its boolean mask (:func:`_mask`, a quarter of a float32 activation) instead."""
     acts = [x]
     indices: dict[int, Tensor] = {}
+    masks: dict[int, Tensor] = {}
     h = x
     with torch.no_grad():
         for i, (_, m) in enumerate(chain):
@@ -196,7 +200,10 @@ def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
             acts.append(h)
             if i > 0 and not _needed(chain, i):
                 acts[i] = acts[i].to("meta")  # only its shape is used: free it now
-    return ChainPass(chain, acts, indices)
+            elif i > 0 and _mask_only(chain, i):
+                masks[i - 1] = (acts[i] > 0).unsqueeze(1)
+                acts[i] = acts[i].to("meta")
+    return ChainPass(chain, acts, indices, masks=masks)
 
 
 #: element-wise modules whose derivative comes from their output (:func:`_derivative`)
@@ -213,6 +220,16 @@ def _needed(chain: list[tuple[str, nn.Module]], i: int) -> bool:
     if kind in _ELEMENTWISE and kind not in _FROM_OUTPUT:
         return True
     return type(chain[i - 1][1]) in _FROM_OUTPUT
+
+
+def _mask_only(chain: list[tuple[str, nn.Module]], i: int) -> bool:
+    """Whether the values of module i's input are read only as the derivative of the ReLU
+    before it (not by module i itself: not a linear layer or convolution, nor an element-wise
+    module differentiated from its input)."""
+    kind = type(chain[i][1])
+    if kind in (nn.Linear, nn.Conv2d) or (kind in _ELEMENTWISE and kind not in _FROM_OUTPUT):
+        return False
+    return type(chain[i - 1][1]) is nn.ReLU
 
 
 def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
@@ -395,15 +412,26 @@ def backward_chunk(
         if i in targets:
             yield i, g
         if i > first:
-            with torch.no_grad():  # the weights require grad: no graph of the products
-                if isinstance(g, SqrtFactor):
-                    weight = _weight(run, i, g.dtype)
-                    g = g.through_linear(weight)
-                    if extra is not None:
-                        g = torch.cat([g, extra.to(g.dtype) @ weight], 1)
-                else:
-                    g = _vjp(run, i, g, rows, owned)
+            if torch.is_grad_enabled():  # the weights require grad: no graph of the products
+                with torch.no_grad():
+                    g = _propagate(run, i, g, rows, owned, extra)
+            else:
+                g = _propagate(run, i, g, rows, owned, extra)
             owned = True
+
+
+def _propagate(
+    run: ChainPass, i: int, g: Tensor | SqrtFactor, rows: slice, owned: bool, extra: Tensor | None
+) -> Tensor | SqrtFactor:
+    """g J_i for :func:`backward_chunk`: a structured factor through the final linear layer
+    (its ``extra`` plain vectors appended after the product), else :func:`_vjp`."""
+    if isinstance(g, SqrtFactor):
+        weight = _weight(run, i, g.dtype)
+        out = g.through_linear(weight)
+        if extra is not None:
+            out = torch.cat([out, extra.to(out.dtype) @ weight], 1)
+        return out
+    return _vjp(run, i, g, rows, owned)
 
 
 def structured_chain(run: ChainPass) -> bool:
@@ -416,8 +444,11 @@ def structured_chain(run: ChainPass) -> bool:
 def conv_vector_group(conv: nn.Conv2d, k: int, out: int) -> int:
     """Vectors K' whose per-sample weight gradients a convolution with ``out`` output
     elements per sample forms at once in the diagonal's reduction: K' C_out C_in kh kw / G
-    at most about K out (the K gradients' own size), at least 1, at most K."""
-    return max(1, min(k, (k * out) // conv.weight.numel()))
+    at most about K out (the K gradients' own size), at least 1, at most K; the groups of
+    vectors as even as their count allows (K = 9 with at most 4: 3 + 3 + 3, not 4 + 4 + 1)."""
+    most = max(1, min(k, (k * out) // conv.weight.numel()))
+    groups = -(-k // most)
+    return -(-k // groups)
 
 
 def rule_chunk(
@@ -495,13 +526,13 @@ def rule_budget(
 ) -> int:
     """Elements the K-fold backward tensors (or other per-chunk temporaries) may hold under
     the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held;
-    ``structured``: the 2 N C numbers of a structured factor instead)."""
+    ``structured``: the 2 N C numbers of a structured factor instead). On the CPU it also
+    keeps freed blocks of the rule's size in the C heap (:mod:`gaussify.host_heap`)."""
     n = run.acts[0].shape[0]
     sizes = _pass_sizes(run, model)
     if "step" not in sizes:  # once per shapes: a Python loop over the modules' parameters
-        held = _held_activations(run)
-        sizes["step"] = _step_peak(run, model, held)
-        sizes["held"] = sum(held) + _mask_elements(run)
+        sizes["step"] = _step_peak(run, model, _held_activations(run, training=True))
+        sizes["held"] = sum(_held_activations(run)) + _mask_elements(run)
     step, held_sum = sizes["step"], sizes["held"]
     # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
@@ -509,7 +540,12 @@ def rule_budget(
     vectors = 0 if rowwise else n * k * run.acts[-1][0].numel()  # rowwise: per chunk
     vectors = 2 * n * run.acts[-1][0].numel() if structured else vectors
     tenths = 20 - rule_margin(run.acts[0].device)
-    budget = (tenths * (step + storage)) // 10 - n * held_sum - vectors - copies * storage
+    allowed = (tenths * (step + storage)) // 10
+    # the pass's chunks allocate and free blocks of up to this size over and over: kept in
+    # the C heap, not handed back to the kernel and faulted in again per chunk (4 x: the
+    # intra-op threads free theirs in their own arenas; measured, host_heap.json)
+    keep_freed_memory(4 * allowed * run.acts[0].element_size(), run.acts[0].device)
+    budget = allowed - n * held_sum - vectors - copies * storage
     return budget - buffers
 
 
@@ -564,11 +600,17 @@ def _mask_elements(run: ChainPass) -> int:
     return out
 
 
-def _held_activations(run: ChainPass) -> list[int]:
+def _held_activations(run: ChainPass, training: bool = False) -> list[int]:
     """Elements per sample of the activations the pass allocated and holds, by position (not
-    the caller's input; a max-pooling's int64 indices in elements of the activations)."""
+    the caller's input; a max-pooling's int64 indices in elements of the activations).
+    ``training``: those a training step holds instead, with the ReLU outputs the pass keeps
+    as masks only (:func:`chain_forward`) at their full size (autograd saves them)."""
     width = run.acts[0].element_size()
-    held = [0] + [a[0].numel() if a.device.type != "meta" else 0 for a in run.acts[1:]]
+    masked = {i + 1 for i in run.masks if i + 1 < len(run.chain) and _mask_only(run.chain, i + 1)}
+    held = [0] + [
+        a[0].numel() if a.device.type != "meta" or (training and i in masked) else 0
+        for i, a in enumerate(run.acts[1:], 1)
+    ]
     for i, idx in run.indices.items():
         held[i] += idx[0].numel() * idx.element_size() // width
     return held

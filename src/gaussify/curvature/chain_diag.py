@@ -80,13 +80,15 @@ def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
     b, k, groups, t = d.shape[0], d.shape[1], conv.groups, patches.shape[-1]
     per = conv.out_channels // groups
     a = patches.view(b * groups, patches.shape[1] // groups, t).transpose(1, 2)
-    step = conv_vector_group(conv, k, d[0, 0].numel())
+    step = conv_vector_group(conv, k, d.shape[2:].numel())
     total = None
     for k0 in range(0, k, step):
         part = d[:, k0 : k0 + step]
         kk = part.shape[1]
         dd = part.reshape(b, kk, groups, per, t).transpose(1, 2).reshape(b * groups, kk * per, t)
-        sums = torch.bmm(dd, a).view(b, groups, kk, per, -1).square_().sum((0, 2))
+        grads = torch.bmm(dd, a)
+        sums = grads.mul_(grads).view(b, groups, kk, per, -1).sum((0, 2))
+        del grads  # before the next group's are formed
         total = sums if total is None else total.add_(sums)
     assert total is not None
     return total.reshape(conv.out_channels, -1)
@@ -722,7 +724,12 @@ def _reduce_chunk(
                     gw = grads[i]["weight"]
                     summed = torch.einsum("bot,bft->of", r.flatten(2), patches)
                     gw.view(module.out_channels, -1).add_(summed.to(gw.dtype))
+                # freed before the pass goes on: the next module's product allocates
+                # (:func:`gaussify.curvature.batched_backward.backward_peak` counts them
+                # apart)
+                del patches
             w.view(module.out_channels, -1).add_(sums.to(w.dtype))
+            del sums
         if "bias" in views:
             b = views["bias"]
             per = d.sum((-2, -1))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gaussify.curvature.batched_backward import _ELEMENTWISE, ChainPass, _derivative
+from gaussify.curvature.batched_backward import _ELEMENTWISE, ChainPass, _derivative, _mask
 
 __all__ = [
     "gathered_patches",
@@ -140,7 +140,7 @@ def squares_at_maxima(gathered: Tensor, h: Tensor) -> Tensor:
     f = gathered.shape[-1]
     if k * f <= w * (k + f):  # the K gradients themselves: (K, W) x (W, F) per (sample, o)
         grads = torch.bmm(h.transpose(1, 2).reshape(b * o, k, w), gathered)
-        return grads.square_().view(b, o, k, f).sum((0, 2))
+        return grads.mul_(grads).view(b, o, k, f).sum((0, 2))
     ht = h.permute(0, 2, 3, 1).reshape(b * o, w, k)
     gram = ht @ ht.transpose(1, 2)  # (B O, W, W)
     del ht
@@ -184,10 +184,10 @@ def maxima_gradient(run: ChainPass, i: int, j: int, g: Tensor, rows: slice) -> T
             continue
         if type(m) not in _ELEMENTWISE:  # identity, eval-mode dropout
             continue
-        out = run.acts[p + 1][rows].flatten(-2).gather(-1, flat)
-        if type(m) is nn.ReLU:
-            h = h * (out > 0).unsqueeze(1)
+        if type(m) is nn.ReLU:  # its derivative: the mask (its output > 0) at the maxima
+            h = h * _mask(run, p)[rows, 0].flatten(-2).gather(-1, flat).unsqueeze(1)
             continue
+        out = run.acts[p + 1][rows].flatten(-2).gather(-1, flat)
         inp = run.acts[p]  # kept where the derivative reads it (not for tanh / sigmoid)
         a = out if inp.is_meta else inp[rows].flatten(-2).gather(-1, flat)
         h = h * _derivative(m, a, out, h.dtype).unsqueeze(1)

@@ -51,7 +51,9 @@ KFAC the forward pass plus the input factors A alone (im2col and Gram, computed 
 every KFAC); ``backend_over_backward_floor`` is the best backend's whole fit over the
 backward floor, the most any fit that propagates the K vectors within the rule could gain,
 and for KFAC ``backend_over_kfac_floor`` the same over backward + input factors (one forward
-pass counted once).
+pass counted once); for the diagonal ``backend_over_squares_floor`` and
+``gaussify_over_squares_floor``, the best backend's and gaussify's fit over ``squares_s``,
+the backward floor with the per-sample squares every such diagonal forms (floor_times).
 
 Writes ``benchmarks/results/curvature_fits.json`` and prints a table.
 """
@@ -226,10 +228,18 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
     memory rule's chunks (groups of K' < K vectors where one sample with all K exceeds the
     rule) with no reduction (the propagation the diagonal and KFAC both need); for KFAC
     ``input_factors_s``, the forward pass and the input factors A = sum [a, 1] [a, 1]^T alone
-    (im2col patches in the rule's chunks), which every KFAC computes the same way."""
+    (im2col patches in the rule's chunks), which every KFAC computes the same way; for the
+    diagonal of the exact GGN ``squares_s``, the forward pass, the backward passes of the
+    C - 1 vectors of the fits' softmax root and the reductions every diagonal that forms
+    per-sample gradients computes (BackPack's DiagGGN too), written plainly: per linear layer
+    sum_k delta^2 and one product with a^2, per convolution its im2col patches and the
+    per-sample gradients of groups of vectors (conv_vector_group), squared and summed, the
+    biases' sums, in the rule's chunks (the dense reduction: gaussify's pooled one, where it
+    pays, can be below it)."""
     from gaussify.batches import as_batches
     from gaussify.curvature import batched_backward as bb
     from gaussify.curvature import kron_grams
+    from gaussify.curvature.sqrt_factor import sqrt_factor
     from gaussify.likelihoods import get_likelihood
 
     # the batches as the fits read them (a TensorDataset loader: one slice per batch)
@@ -288,10 +298,55 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
                     inp = run.acts[i]
                     kron_grams.input_gram(m, inp, ("", True, True), "expand", a_sum, budget)
 
+    def squares() -> None:
+        # the backward floor's passes plus the reductions of every exact diagonal that forms
+        # per-sample gradients (BackPack's too), in plain torch: per linear layer the sums
+        # over K of delta^2 and one product with a^2; per convolution the im2col patches and
+        # the per-sample gradients (K' O, T) x (T, F) in the rule's groups of K' vectors,
+        # squared and summed; the biases' sums
+        diag_w = {i: torch.zeros_like(chain[i][1].weight) for i in layers}
+        diag_b = {i: torch.zeros_like(chain[i][1].bias) for i in layers}
+        with torch.no_grad():
+            for xb, _ in batches:
+                run = bb.chain_forward(chain, xb)
+                factor = sqrt_factor(lik, run.output)  # the rank-(C - 1) root, as the fits
+                u = factor.dense() if factor is not None else lik.hessian_sqrt(run.output)
+                rule = {"copies": 2, "rowwise": True}
+                k = u.shape[1]
+                chunk = max(1, bb.rule_chunk(run, model, k, storage, layers, floor=0, **rule))
+                for start in range(0, xb.shape[0], chunk):
+                    rows = slice(start, start + chunk)
+                    for i, d in bb.backward_chunk(run, u[rows], layers, rows):
+                        m, a = chain[i][1], run.acts[i][rows]
+                        if type(m) is nn.Linear:
+                            s2 = (d * d).sum(1)
+                            diag_w[i].addmm_(s2.T, a * a)
+                            diag_b[i].add_(s2.sum(0))
+                            continue
+                        b, o = d.shape[0], m.out_channels
+                        pt = nn.functional.unfold(
+                            a, m.kernel_size, m.dilation, m.padding, m.stride
+                        ).transpose(1, 2)
+                        step = bb.conv_vector_group(m, k, d.shape[2:].numel())
+                        for k0 in range(0, k, step):
+                            part = d[:, k0 : k0 + step]
+                            g = torch.bmm(part.reshape(b, -1, pt.shape[1]), pt)
+                            diag_w[i].view(o, -1).add_(
+                                g.mul_(g).view(b, -1, o, g.shape[-1]).sum((0, 1))
+                            )
+                            del g
+                        del pt
+                        per = d.sum((-2, -1))
+                        diag_b[i].add_((per * per).sum((0, 1)))
+
     out["forward_s"] = _best_of(forward)
     out["backward_s"] = _best_of(backward)
     if not diag:
         out["input_factors_s"] = _best_of(input_factors)
+    elif case["flavour"] == "ggn" and all(
+        type(chain[i][1]) is nn.Linear or chain[i][1].groups == 1 for i in layers
+    ):
+        out["squares_s"] = _best_of(squares)
     return out
 
 
@@ -537,6 +592,10 @@ def run_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if "backward_s" in floor:
         # the best backend's whole fit over the time of the C backward passes alone
         result["backend_over_backward_floor"] = ok[best]["backend_s"] / floor["backward_s"]
+    if "squares_s" in floor:
+        # the diagonal: the backward passes and the plain per-sample squares (floor_times)
+        result["backend_over_squares_floor"] = ok[best]["backend_s"] / floor["squares_s"]
+        result["gaussify_over_squares_floor"] = ok[best]["gaussify_s"] / floor["squares_s"]
     if "input_factors_s" in floor and "backward_s" in floor:
         # KFAC: the backward passes and the input factors, one forward pass counted once
         kfac = floor["backward_s"] + floor["input_factors_s"] - floor["forward_s"]

@@ -85,7 +85,11 @@ def _conv_squared_grads(conv: nn.Conv2d, patches: Tensor, d: Tensor) -> Tensor:
     for k0 in range(0, k, step):
         part = d[:, k0 : k0 + step]
         kk = part.shape[1]
-        dd = part.reshape(b, kk, groups, per, t).transpose(1, 2).reshape(b * groups, kk * per, t)
+        if groups == 1:  # a view: the K' vectors of a sample are contiguous
+            dd = part.reshape(b, kk * per, t)
+        else:
+            dd = part.reshape(b, kk, groups, per, t).transpose(1, 2)
+            dd = dd.reshape(b * groups, kk * per, t)
         grads = torch.bmm(dd, a)
         sums = grads.mul_(grads).view(b, groups, kk, per, -1).sum((0, 2))
         del grads  # before the next group's are formed

@@ -8,14 +8,14 @@ glibc's ``malloc`` maps a block above its mmap threshold (128 KiB until the proc
 larger mapped block) afresh and trims its heap's free top above twice that threshold, so a
 chunked pass that frees its few-megabyte temporaries after every chunk touches fresh pages
 (minor page faults, zeroed by the kernel) in every chunk of a fresh process.
-``keep_freed_memory`` (called by the memory rule's budget) frees one untouched block of the
-rule's size first. Per case (the cases of ``curvature_fits.py``) and round, two fresh
-subprocesses in turn (``on``: as shipped; ``off``: ``keep_freed_memory`` replaced by a no-op
-before anything runs) each run one warm-up fit and ``--fits`` timed fits, recording per fit the
-wall time and the minor page faults (``getrusage``); medians over the fits, then over the
-rounds (the machine's speed drifts between processes: the fault counts are the stable
-measure, the ratio of times per round the comparable one). Writes
-``benchmarks/results/host_heap.json``.
+``keep_freed_memory`` (called where the memory rule splits a pass into chunks) frees one
+untouched block of twice the rule's allowance first. Per case (the cases of
+``curvature_fits.py``) and round, two fresh subprocesses in turn (``on``: as shipped; ``off``:
+``keep_freed_memory`` replaced by a no-op before anything runs) each run one warm-up fit and
+``--fits`` timed fits, recording per fit the wall time and the minor page faults
+(``getrusage``); medians over the fits, then over the rounds (the machine's speed drifts between
+processes: the fault counts are the stable measure, the ratio of times per round the comparable
+one). Writes ``benchmarks/results/host_heap.json``.
 """
 
 from __future__ import annotations

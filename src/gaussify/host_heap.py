@@ -8,9 +8,10 @@ fault the kernel zeroes. glibc raises both thresholds on its own once the proces
 mapped block (the threshold becomes the block's size, at most 32 MiB), so the same fit runs
 fast in a process that freed a large tensor before (any other library's fit) and slow in a
 fresh one. Measured in fresh processes (``benchmarks/results/host_heap.json``, 2 threads) on
-the 8 x 8 CNN at batch 256: the diagonal GGN's fit had 27,000 minor faults without and 4 with
-it, 0.117 against 0.076 s; KFAC's 28,000 and 1, 0.099 against 0.059 s; at batch 32 (smaller
-blocks, below glibc's starting thresholds) nothing changes.
+the 8 x 8 CNN at batch 256: the diagonal GGN's fit had 33,000 minor faults without and 3 with
+it, 0.124 against 0.078 s; KFAC's 25,000 and 2, 0.090 against 0.056 s; at batch 32 (smaller
+blocks, below glibc's starting thresholds) and on an MLP nothing changes. Called where a pass
+is split into chunks (:func:`gaussify.curvature.batched_backward.rule_chunk`).
 
 :func:`keep_freed_memory` makes that first free itself: one block of the pass's size is
 allocated without touching its pages and freed at once (an ``mmap`` and ``munmap``, no page

@@ -485,7 +485,10 @@ def rule_chunk(
         sizes[(k, per, structured)] = backward_peak(run, k, set(per), structured)
     per_sample = sizes[(k, per, structured)]
     per_sample += k * run.acts[-1][0].numel() if rowwise and not structured else 0
-    return max(floor, budget // max(per_sample, 1))
+    chunk = max(floor, budget // max(per_sample, 1))
+    if chunk < run.acts[0].shape[0]:
+        _keep_chunks_memory(run, model, storage)
+    return chunk
 
 
 #: per model: the memory rule's sizes of its passes, by the pass's modules and shapes
@@ -526,8 +529,7 @@ def rule_budget(
 ) -> int:
     """Elements the K-fold backward tensors (or other per-chunk temporaries) may hold under
     the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held;
-    ``structured``: the 2 N C numbers of a structured factor instead). On the CPU it also
-    keeps freed blocks of the rule's size in the C heap (:mod:`gaussify.host_heap`)."""
+    ``structured``: the 2 N C numbers of a structured factor instead)."""
     n = run.acts[0].shape[0]
     sizes = _pass_sizes(run, model)
     if "step" not in sizes:  # once per shapes: a Python loop over the modules' parameters
@@ -540,13 +542,20 @@ def rule_budget(
     vectors = 0 if rowwise else n * k * run.acts[-1][0].numel()  # rowwise: per chunk
     vectors = 2 * n * run.acts[-1][0].numel() if structured else vectors
     tenths = 20 - rule_margin(run.acts[0].device)
-    allowed = (tenths * (step + storage)) // 10
-    # the pass's chunks allocate and free blocks of up to this size over and over: kept in
-    # the C heap, not handed back to the kernel and faulted in again per chunk (4 x: the
-    # intra-op threads free theirs in their own arenas; measured, host_heap.json)
-    keep_freed_memory(4 * allowed * run.acts[0].element_size(), run.acts[0].device)
-    budget = allowed - n * held_sum - vectors - copies * storage
+    budget = (tenths * (step + storage)) // 10 - n * held_sum - vectors - copies * storage
     return budget - buffers
+
+
+def _keep_chunks_memory(run: ChainPass, model: nn.Module, storage: int) -> None:
+    """A pass split into chunks allocates and frees blocks of up to the rule's allowance,
+    2 (step + storage), once per chunk: on the CPU they are kept in the C heap, not handed
+    back to the kernel and faulted in again per chunk (:mod:`gaussify.host_heap`; twice the
+    allowance: the intra-op threads free theirs in their own arenas, measured)."""
+    if run.acts[0].device.type != "cpu":
+        return
+    rule_budget(run, model, 0, storage)  # the step's size, computed once per shapes
+    allowance = 2 * (_pass_sizes(run, model)["step"] + storage)
+    keep_freed_memory(2 * allowance * run.acts[0].element_size(), run.acts[0].device)
 
 
 def rule_margin(device: torch.device) -> int:
@@ -582,6 +591,7 @@ def rule_columns(
     per = set(per_sample_grads)
     if backward_peak(run, k, per, structured) <= budget:
         return k
+    _keep_chunks_memory(run, model, storage)
     lo, hi = 1, k  # backward_peak grows with K: the largest K' with peak(K') <= budget
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -410,7 +410,7 @@ def test_relu_output_read_only_as_a_mask_is_kept_as_the_mask() -> None:
     boolean mask, not its values (a quarter of a float32 activation); a ReLU feeding a
     convolution keeps its output (the convolution's patches read it). The memory rule counts
     the mask for the pass and the full output for a training step (autograd saves it), and
-    the backward pass through the pooling and the ReLU equals autograd's."""
+    the backward pass through the pooling and both ReLUs equals autograd's."""
     from gaussify.curvature.batched_backward import _held_activations, backward_chunk
 
     torch.manual_seed(0)
@@ -433,6 +433,12 @@ def test_relu_output_read_only_as_a_mask_is_kept_as_the_mask() -> None:
     for j in range(2):
         (expected,) = torch.autograd.grad(pooled, out, u[:, j], retain_graph=True)
         torch.testing.assert_close(grads[2][:, j], expected * (out > 0), rtol=0, atol=1e-12)
+    # through the first ReLU, whose output the second convolution reads: its derivative from
+    # that output, no mask held for the pass
+    assert set(run.masks) == {3}
+    h1 = model[0](x)
+    (expected1,) = torch.autograd.grad(model[1:](h1), h1, u[:, 0])
+    torch.testing.assert_close(grads[0][:, 0], expected1, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -238,16 +238,17 @@ def test_deferred_fit_peak_within_twice_a_training_step_and_storage(
 
 
 def test_deferred_fit_plans_without_a_batch_temporary(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The empirical Fisher of the benchmark's MLP on a batch of 256: one backward chunk per
-    batch inside a fit (the batch added directly: one storage-sized tensor in the plan), two
-    for a lone checked ``update`` (its deferred, buffered additions: the (N, out) buffers
-    take budget; in float32, as the benchmark); the same diagonal to float32 round-off."""
+    """The empirical Fisher of the benchmark's MLP (C = 50) on a batch of 256: one backward
+    chunk per batch inside a fit (the batch added directly: one storage-sized tensor in the
+    plan), two for a lone checked ``update`` (its deferred, buffered additions: the (N, out)
+    buffers take budget; in float32, as the benchmark); the same diagonal to float32
+    round-off. (C = 10 showed it until the ReLU masks the pass no longer holds freed budget.)"""
     from gaussify.curvature import chain_diag
 
-    model = mlp(10)
+    model = mlp(50)
     gen = torch.Generator().manual_seed(1)
     x = torch.rand(256, 64, generator=gen)
-    y = torch.randint(0, 10, (256,), generator=gen)
+    y = torch.randint(0, 50, (256,), generator=gen)
     chunks: list[int] = []
     real = chain_diag._reduce_chunk
 

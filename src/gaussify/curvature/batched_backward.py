@@ -281,7 +281,7 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     if kind is nn.Flatten or kind is nn.Unflatten:
         return g.reshape(b, k, *shape)
     if kind is nn.ReLU:
-        mask = _mask(run, i)[rows]
+        mask = _relu_derivative(run, i, rows, g.dtype)
         return g.mul_(mask) if owned else g * mask
     a = run.acts[i][rows]
     if kind in _ELEMENTWISE:
@@ -356,11 +356,25 @@ def _flipped_weight(run: ChainPass, i: int, dtype: torch.dtype) -> Tensor | None
 
 def _mask(run: ChainPass, i: int) -> Tensor:
     """A ReLU's derivative on the whole batch, its output > 0 (threshold_backward), as a
-    boolean (N, 1, *out) tensor, once per pass (counted by :func:`_held_activations`)."""
+    boolean (N, 1, *out) tensor: the one :func:`chain_forward` kept for a ReLU whose output
+    it freed, else formed from the output and kept (the pass's masks are counted by
+    :func:`_mask_elements`)."""
     mask = run.masks.get(i)
     if mask is None:
         mask = run.masks[i] = (run.acts[i + 1] > 0).unsqueeze(1)
     return mask
+
+
+def _relu_derivative(run: ChainPass, i: int, rows: slice, dtype: torch.dtype) -> Tensor:
+    """The derivative of the ReLU at i for the samples ``rows`` in ``dtype``, (B, 1, *out),
+    for a product with the K-fold gradient: from the ReLU's kept output (its sign: 1 where
+    it is > 0, else 0; no mask held for the pass), or the mask :func:`chain_forward` kept
+    where it freed the output, converted for the chunk (a product with a boolean mask costs
+    about 3 x a same-dtype one on the CPU, measured)."""
+    out = run.acts[i + 1]
+    if i in run.masks or out.is_meta:
+        return _mask(run, i)[rows].to(dtype)
+    return out[rows].unsqueeze(1).sign().to(dtype)
 
 
 def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
@@ -601,11 +615,12 @@ def rule_columns(
 
 def _mask_elements(run: ChainPass) -> int:
     """Elements (of the activations' size) per sample of the ReLU masks a pass holds
-    (:func:`_mask`, one byte per output)."""
+    (:func:`_mask`, one byte per output): those of the ReLUs whose output
+    :func:`chain_forward` freed (the others' derivative comes from their kept output)."""
     width = run.acts[0].element_size()
     out = 0
     for i, (_, m) in enumerate(run.chain):
-        if type(m) is nn.ReLU:
+        if type(m) is nn.ReLU and i + 1 < len(run.chain) and _mask_only(run.chain, i + 1):
             out += -(-run.acts[i + 1][0].numel() // width)
     return out
 

@@ -184,10 +184,13 @@ def maxima_gradient(run: ChainPass, i: int, j: int, g: Tensor, rows: slice) -> T
             continue
         if type(m) not in _ELEMENTWISE:  # identity, eval-mode dropout
             continue
-        if type(m) is nn.ReLU:  # its derivative: the mask (its output > 0) at the maxima
+        if type(m) is nn.ReLU and run.acts[p + 1].is_meta:  # the output kept as its mask
             h = h * _mask(run, p)[rows, 0].flatten(-2).gather(-1, flat).unsqueeze(1)
             continue
         out = run.acts[p + 1][rows].flatten(-2).gather(-1, flat)
+        if type(m) is nn.ReLU:
+            h = h * (out > 0).unsqueeze(1)
+            continue
         inp = run.acts[p]  # kept where the derivative reads it (not for tanh / sigmoid)
         a = out if inp.is_meta else inp[rows].flatten(-2).gather(-1, flat)
         h = h * _derivative(m, a, out, h.dtype).unsqueeze(1)

@@ -719,3 +719,22 @@ def test_float32_kron_predictive_matches_the_float64_model(
     monkeypatch.setattr(kron_module, "kron_block_eigh", _float32_eigh)
     old = float(((variance(model, torch.float32).double() - var64).abs() / var64).max())
     assert old > 3e-4, old  # the float32 decomposition misses the tolerance
+
+
+@pytest.mark.parametrize(("k", "t"), [(4, 9), (9, 4), (5, 5)])
+def test_gram_of_transposed_gradients_equals_the_flat_gram(k: int, t: int) -> None:
+    """kron_grams.gram over a convolution's output gradients, the (N, T, k) transposed view
+    of their (N, k, T) layout, added into ``out``: the per-sample Grams batched (k <= T) or
+    the flattened product (k > T) equal sum_{n,t} x x^T, in float64 and added to what
+    ``out`` held."""
+    from gaussify.curvature.kron_grams import gram
+
+    torch.manual_seed(0)
+    layout = torch.randn(6, k, t, dtype=torch.float64)
+    x = layout.transpose(1, 2)
+    flat = x.reshape(-1, k)
+    start = torch.randn(k, k, dtype=torch.float64)
+    out = start.clone()
+    gram(x, "expand", "sum", out=out)
+    torch.testing.assert_close(out, start + flat.T @ flat, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(gram(x, "expand", "sum"), flat.T @ flat, rtol=1e-13, atol=1e-13)

@@ -239,6 +239,7 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
     from gaussify.batches import as_batches
     from gaussify.curvature import batched_backward as bb
     from gaussify.curvature import kron_grams
+    from gaussify.curvature.patches import conv2d_patches
     from gaussify.curvature.sqrt_factor import sqrt_factor
     from gaussify.likelihoods import get_likelihood
 
@@ -324,9 +325,7 @@ def floor_times(case: dict[str, Any], model: nn.Module, loader: DataLoader) -> d
                             diag_b[i].add_(s2.sum(0))
                             continue
                         b, o = d.shape[0], m.out_channels
-                        pt = nn.functional.unfold(
-                            a, m.kernel_size, m.dilation, m.padding, m.stride
-                        ).transpose(1, 2)
+                        pt = conv2d_patches(m, a).transpose(1, 2)
                         step = bb.conv_vector_group(m, k, d.shape[2:].numel())
                         for k0 in range(0, k, step):
                             part = d[:, k0 : k0 + step]

@@ -158,8 +158,10 @@ class ChainPass:
     sizes: dict[object, int] = field(default_factory=dict)
     #: whether ``sizes`` is the table shared with the model's passes of the same shapes
     shared: bool = False
-    #: per pass: weights detached in the gradients' dtype, ReLU masks (:func:`_vjp`)
+    #: per pass: weights detached in the gradients' dtype (:func:`_vjp`)
     weights: dict[int, Tensor] = field(default_factory=dict)
+    #: the derivative (output > 0, (N, 1, *out) booleans) of each ReLU at i whose output
+    #: :func:`chain_forward` freed (:func:`_mask_only`)
     masks: dict[int, Tensor] = field(default_factory=dict)
     #: per pass: convolution weights as their adjoint's (:func:`_flipped_weight`)
     flipped: dict[int, Tensor] = field(default_factory=dict)
@@ -177,7 +179,8 @@ def chain_forward(chain: list[tuple[str, nn.Module]], x: Tensor) -> ChainPass:
     backward pass reads (:func:`_needed`; the others become shape-only ``meta`` tensors, so
     the pass holds about what a training step saves). A ReLU output read only for the ReLU's
     derivative (the next module is not a linear layer or convolution, e.g. a max-pooling)
-    is kept as its boolean mask (:func:`_mask`, a quarter of a float32 activation) instead."""
+    is kept as its boolean mask (``ChainPass.masks``, a quarter of a float32 activation)
+    instead."""
     acts = [x]
     indices: dict[int, Tensor] = {}
     masks: dict[int, Tensor] = {}
@@ -237,7 +240,8 @@ def _vjp(run: ChainPass, i: int, g: Tensor, rows: slice, owned: bool) -> Tensor:
     major, so that the K vectors of a sample are contiguous: a convolution's per-sample
     products then need no copy). With ``owned`` an element-wise module overwrites g (no
     second K-fold tensor). Per chunk only the products themselves: the weights (detached, in
-    g's dtype) and ReLU's masks come once per pass (:func:`_weight`, :func:`_mask`)."""
+    g's dtype) come once per pass (:func:`_weight`); a ReLU's derivative per chunk
+    (:func:`_relu_derivative`)."""
     m = run.chain[i][1]
     kind = type(m)
     b, k = g.shape[:2]
@@ -354,33 +358,22 @@ def _flipped_weight(run: ChainPass, i: int, dtype: torch.dtype) -> Tensor | None
     return w
 
 
-def _mask(run: ChainPass, i: int) -> Tensor:
-    """A ReLU's derivative on the whole batch, its output > 0 (threshold_backward), as a
-    boolean (N, 1, *out) tensor: the one :func:`chain_forward` kept for a ReLU whose output
-    it freed, else formed from the output and kept (the pass's masks are counted by
-    :func:`_mask_elements`)."""
-    mask = run.masks.get(i)
-    if mask is None:
-        mask = run.masks[i] = (run.acts[i + 1] > 0).unsqueeze(1)
-    return mask
-
-
 def _relu_derivative(run: ChainPass, i: int, rows: slice, dtype: torch.dtype) -> Tensor:
     """The derivative of the ReLU at i for the samples ``rows`` in ``dtype``, (B, 1, *out),
     for a product with the K-fold gradient: from the ReLU's kept output (its sign: 1 where
     it is > 0, else 0; no mask held for the pass), or the mask :func:`chain_forward` kept
     where it freed the output, converted for the chunk (a product with a boolean mask costs
     about 3 x a same-dtype one on the CPU, measured)."""
-    out = run.acts[i + 1]
-    if i in run.masks or out.is_meta:
-        return _mask(run, i)[rows].to(dtype)
-    return out[rows].unsqueeze(1).sign().to(dtype)
+    mask = run.masks.get(i)
+    if mask is not None:
+        return mask[rows].to(dtype)
+    return run.acts[i + 1][rows].unsqueeze(1).sign().to(dtype)
 
 
 def _derivative(m: nn.Module, a: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """phi'(a) of an element-wise module with input a and output ``out`` (autograd's own
     backward formulas for tanh and sigmoid; an autograd pass on a for the others; ReLU's is
-    a mask, :func:`_mask`)."""
+    a mask, :func:`_relu_derivative`)."""
     kind = type(m)
     if kind is nn.Tanh:
         y = out.to(dtype)
@@ -545,11 +538,7 @@ def rule_budget(
     the rule: see :func:`rule_chunk` (``rowwise``: no (N, K, C) output vectors held;
     ``structured``: the 2 N C numbers of a structured factor instead)."""
     n = run.acts[0].shape[0]
-    sizes = _pass_sizes(run, model)
-    if "step" not in sizes:  # once per shapes: a Python loop over the modules' parameters
-        sizes["step"] = _step_peak(run, model, _held_activations(run, training=True))
-        sizes["held"] = sum(_held_activations(run)) + _mask_elements(run)
-    step, held_sum = sizes["step"], sizes["held"]
+    step, held_sum = _step_and_held(run, model)
     # 2 (step + storage) with a 15 % margin, less what this pass holds anyway: the
     # activations, the output vectors (N K C) and ``copies`` storage-sized tensors (the
     # storage; a diagonal also sums a batch apart, to keep failures out: copies = 2)
@@ -560,6 +549,17 @@ def rule_budget(
     return budget - buffers
 
 
+def _step_and_held(run: ChainPass, model: nn.Module) -> tuple[int, int]:
+    """(a training step's estimated peak, elements per sample the pass holds: activations
+    and masks), computed once per model and shapes (a Python loop over the modules'
+    parameters) and kept in the pass's shared sizes."""
+    sizes = _pass_sizes(run, model)
+    if "step" not in sizes:
+        sizes["step"] = _step_peak(run, model, _held_activations(run, training=True))
+        sizes["held"] = sum(_held_activations(run)) + _mask_elements(run)
+    return sizes["step"], sizes["held"]
+
+
 def _keep_chunks_memory(run: ChainPass, model: nn.Module, storage: int) -> None:
     """A pass split into chunks allocates and frees blocks of up to the rule's allowance,
     2 (step + storage), once per chunk: on the CPU they are kept in the C heap, not handed
@@ -567,8 +567,7 @@ def _keep_chunks_memory(run: ChainPass, model: nn.Module, storage: int) -> None:
     allowance: the intra-op threads free theirs in their own arenas, measured)."""
     if run.acts[0].device.type != "cpu":
         return
-    rule_budget(run, model, 0, storage)  # the step's size, computed once per shapes
-    allowance = 2 * (_pass_sizes(run, model)["step"] + storage)
+    allowance = 2 * (_step_and_held(run, model)[0] + storage)
     keep_freed_memory(2 * allowance * run.acts[0].element_size(), run.acts[0].device)
 
 
@@ -614,15 +613,11 @@ def rule_columns(
 
 
 def _mask_elements(run: ChainPass) -> int:
-    """Elements (of the activations' size) per sample of the ReLU masks a pass holds
-    (:func:`_mask`, one byte per output): those of the ReLUs whose output
-    :func:`chain_forward` freed (the others' derivative comes from their kept output)."""
+    """Elements (of the activations' size) per sample of the ReLU masks the pass holds
+    (``run.masks``, one byte per output; the other ReLUs' derivative comes from their kept
+    output)."""
     width = run.acts[0].element_size()
-    out = 0
-    for i, (_, m) in enumerate(run.chain):
-        if type(m) is nn.ReLU and i + 1 < len(run.chain) and _mask_only(run.chain, i + 1):
-            out += -(-run.acts[i + 1][0].numel() // width)
-    return out
+    return sum(-(-mask[0].numel() // width) for mask in run.masks.values())
 
 
 def _held_activations(run: ChainPass, training: bool = False) -> list[int]:
@@ -631,7 +626,7 @@ def _held_activations(run: ChainPass, training: bool = False) -> list[int]:
     ``training``: those a training step holds instead, with the ReLU outputs the pass keeps
     as masks only (:func:`chain_forward`) at their full size (autograd saves them)."""
     width = run.acts[0].element_size()
-    masked = {i + 1 for i in run.masks if i + 1 < len(run.chain) and _mask_only(run.chain, i + 1)}
+    masked = {i + 1 for i in run.masks}  # outputs freed, their ReLUs' masks kept
     held = [0] + [
         a[0].numel() if a.device.type != "meta" or (training and i in masked) else 0
         for i, a in enumerate(run.acts[1:], 1)

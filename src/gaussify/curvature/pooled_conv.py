@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gaussify.curvature.batched_backward import _ELEMENTWISE, ChainPass, _derivative, _mask
+from gaussify.curvature.batched_backward import _ELEMENTWISE, ChainPass, _derivative
 
 __all__ = [
     "gathered_patches",
@@ -184,8 +184,8 @@ def maxima_gradient(run: ChainPass, i: int, j: int, g: Tensor, rows: slice) -> T
             continue
         if type(m) not in _ELEMENTWISE:  # identity, eval-mode dropout
             continue
-        if type(m) is nn.ReLU and run.acts[p + 1].is_meta:  # the output kept as its mask
-            h = h * _mask(run, p)[rows, 0].flatten(-2).gather(-1, flat).unsqueeze(1)
+        if p in run.masks:  # a ReLU whose output the pass kept as its mask
+            h = h * run.masks[p][rows, 0].flatten(-2).gather(-1, flat).unsqueeze(1)
             continue
         out = run.acts[p + 1][rows].flatten(-2).gather(-1, flat)
         if type(m) is nn.ReLU:
